@@ -7,6 +7,7 @@ Docs: https://resumable-train.github.io/resumable_train/all.html.md"""
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/09_all.ipynb #a090e029
+# %% ../nbs/09_all.ipynb #8fc2345b
 from .state import *
 from .learner import *
+from .autoresume import *
