@@ -1,0 +1,59 @@
+"A training script that uses AutoResume, for the kill-and-rerun tests: run it, kill it, run it again."
+import argparse, os, sys, time
+import torch
+from torch import nn
+from fastai.basics import *
+from fastai.callback.all import *
+from fastai.test_utils import synth_dbunch
+import resumable_train
+from resumable_train.autoresume import AutoResume
+from resumable_train.state import to_plain
+
+p = argparse.ArgumentParser()
+p.add_argument('--dir', required=True)
+p.add_argument('--out', required=True)
+p.add_argument('--sched', default='one_cycle', choices=['one_cycle', 'fine_tune', 'two'])
+p.add_argument('--every', type=int, default=3)
+p.add_argument('--background', action='store_true')
+p.add_argument('--sleep', type=float, default=0.0, help='seconds to sleep in each training batch')
+p.add_argument('--slow-write', type=float, default=0.0, help='seconds each checkpoint write stays unfinished')
+p.add_argument('--no-resume', action='store_true', help='no AutoResume at all (the uninterrupted reference)')
+a = p.parse_args()
+
+if a.slow_write:
+    import resumable_train.state as st
+    _save = torch.save
+    def slow_save(obj, f, *args, **kw):
+        _save(obj, f, *args, **kw)
+        if not isinstance(f, (str, os.PathLike)):  # write_checkpoint's temporary file
+            print('WRITING', flush=True)
+            time.sleep(a.slow_write)
+    st.torch.save = slow_save
+
+class Report(Callback):
+    "Print each trained batch, count optimizer steps"
+    order = 0
+    def before_fit(self): self.learn.n_fit = getattr(self.learn, 'n_fit', -1) + 1
+    def after_step(self): self.learn.steps = getattr(self.learn, 'steps', 0) + 1
+    def after_batch(self):
+        if not self.training: return
+        print('BATCH', self.learn.n_fit, self.epoch, self.iter, flush=True)
+        if a.sleep: time.sleep(a.sleep)
+
+Path(a.dir).mkdir(parents=True, exist_ok=True)
+set_seed(11, reproducible=True)
+dls = synth_dbunch(bs=8, n_train=6, n_valid=2)
+model = nn.Sequential(nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Dropout(0.2)), nn.Linear(16, 1))
+cbs = [Report(), CSVLogger(append=True), EarlyStoppingCallback(patience=50), SaveModelCallback(fname='best')]
+if not a.no_resume: cbs.append(AutoResume(every_iter=a.every, background=a.background, verbose=True))
+learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=mae, cbs=cbs, path=a.dir, lr=1e-2,
+                splitter=lambda m: [list(m[0].parameters()), list(m[1].parameters())])
+with learn.no_bar():
+    if a.sched == 'one_cycle': learn.fit_one_cycle(4)
+    elif a.sched == 'fine_tune': learn.fine_tune(2, freeze_epochs=2)
+    else:
+        learn.fit_one_cycle(2)
+        learn.fit_one_cycle(2, lr_max=3e-3)
+torch.save(to_plain(dict(model=learn.model.state_dict(), opt=learn.opt.state_dict()['state'], values=learn.recorder.values,
+                losses=learn.recorder.losses, steps=getattr(learn, 'steps', 0))), a.out)
+print('DONE', flush=True)

@@ -1,0 +1,116 @@
+"Kill a training script that uses AutoResume (SIGKILL, SIGTERM, during a write), rerun it: it ends bitwise where an uninterrupted run ends."
+import os, queue, random, signal, sys, threading, time
+from pathlib import Path
+import pytest, torch
+import subprocess
+import helpers
+from helpers import PY, TESTS, kill_group, diff_values
+
+SCRIPT = str(TESTS/'autoresume_script.py')
+
+def launch(d, out, *args):
+    "Start the script; return the process and a queue of its stdout lines"
+    p = subprocess.Popen([PY, SCRIPT, '--dir', str(d), '--out', str(out), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=helpers.test_env(), start_new_session=True)
+    q = queue.Queue()
+    def pump():
+        for line in p.stdout: q.put(line)
+        q.put(None)
+    threading.Thread(target=pump, daemon=True).start()
+    return p, q
+
+def run_until(d, out, pred, sig, *args, timeout=90):
+    "Run the script until an output line satisfies `pred`, then send `sig` (none if `sig` is None); return (rc, lines, seconds from signal to exit)"
+    p,q = launch(d, out, *args)
+    lines,deadline,sent = [],time.time()+timeout,None
+    try:
+        while True:
+            line = q.get(timeout=max(0.1, deadline-time.time()))
+            if line is None: break
+            lines.append(line)
+            if sent is None and sig is not None and pred(line):
+                sent = time.time()
+                if sig == signal.SIGKILL: kill_group(p)
+                else: p.send_signal(sig)
+        p.wait(timeout=max(1, deadline-time.time()))
+    except (queue.Empty, Exception) as e:
+        kill_group(p)
+        raise AssertionError(f"script did not finish in {timeout}s: {e!r}\n{''.join(lines[-40:])}")
+    finally: kill_group(p)
+    return p.returncode, lines, (time.time()-sent) if sent else None
+
+def run_to_end(d, out, *args):
+    "Run the script to its end; return its output lines"
+    rc,lines,_ = run_until(d, out, None, None, *args)
+    assert rc == 0, f"rc={rc}\n{''.join(lines[-40:])}"
+    return lines
+
+def batches(lines): return [l.split()[1:] for l in lines if l.startswith('BATCH')]
+
+def same(ref, f):
+    a,b = torch.load(ref, weights_only=True),torch.load(f, weights_only=True)
+    bad = diff_values({k:a[k] for k in ('model','opt','values','losses')}, {k:b[k] for k in ('model','opt','values','losses')})
+    assert not bad, bad[:10]
+
+def csv_rows(d): return [l.rsplit(',', 1)[0] for l in (Path(d)/'history.csv').read_text().splitlines()]
+
+@pytest.fixture(scope='module')
+def refs(tmp_path_factory):
+    "Uninterrupted runs of each schedule, with and without AutoResume (which must not change a bit)"
+    d = tmp_path_factory.mktemp('ref')
+    res = {}
+    for sched in ('one_cycle', 'fine_tune', 'two'):
+        res[sched] = d/f'{sched}.pth'
+        lines = run_to_end(d/sched, res[sched], '--sched', sched)
+        res[sched+'_batches'] = len(batches(lines))
+        res[sched+'_csv'] = csv_rows(d/sched)
+    run_to_end(d/'plain', d/'plain.pth', '--no-resume')
+    same(d/'plain.pth', res['one_cycle'])
+    return res
+
+def test_kills_one_cycle(refs, tmp_path):
+    "SIGKILL at a random batch, SIGKILL during a checkpoint write, a truncated newest file, SIGTERM, rerun, rerun after the end"
+    d,out,rng = tmp_path/'run',tmp_path/'out.pth',random.Random(0)
+    k1 = rng.randrange(2, 10)
+    rc,lines,_ = run_until(d, out, lambda l: l.startswith('BATCH') and int(l.split()[3]) + 6*int(l.split()[2]) >= k1, signal.SIGKILL, '--sleep', '0.05')
+    assert rc == -signal.SIGKILL
+    rc,lines,_ = run_until(d, out, lambda l: l.startswith('WRITING'), signal.SIGKILL, '--slow-write', '5')
+    assert rc == -signal.SIGKILL and any(l.startswith('AutoResume: continuing') for l in lines)
+    models = d/'models'
+    assert list(models.glob('.autoresume-*.tmp')), "the interrupted write leaves only a temporary file"
+    newest = sorted(models.glob('autoresume-*.pth'))[-1]
+    newest.write_bytes(newest.read_bytes()[:1000])
+    rc,lines,secs = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[2] == '2', signal.SIGTERM, '--sleep', '0.05')
+    text = ''.join(lines)
+    assert rc == 128 + signal.SIGTERM and secs < 10, (rc, secs, text[-2000:])
+    assert f'{newest} is truncated' in text, "the rerun names the damaged file it passed over"
+    stop = [l for l in lines if l.startswith('AutoResume: stopped by SIGTERM')][0].split()
+    ep,bt = int(stop[6].rstrip(',')), int(stop[8].rstrip(';'))
+    lines = run_to_end(d, out)
+    assert batches(lines)[0] == ['0', str(ep), str(bt)], "the rerun starts at the batch after the one SIGTERM finished"
+    assert len(batches(lines)) == refs['one_cycle_batches'] - (ep*6 + bt)
+    same(refs['one_cycle'], out)
+    assert csv_rows(d) == refs['one_cycle_csv']
+    lines = run_to_end(d, out)
+    assert batches(lines) == [] and torch.load(out, weights_only=True)['steps'] == 0
+    same(refs['one_cycle'], out)
+
+def test_fine_tune_background(refs, tmp_path):
+    "fine_tune killed in each stage, writing in the background: the rerun resumes in the right fit call"
+    d,out = tmp_path/'run',tmp_path/'out.pth'
+    for fit in ('0', '1'):
+        rc,lines,_ = run_until(d, out, lambda l, f=fit: l.startswith('BATCH') and l.split()[1] == f and l.split()[3] == '4',
+                               signal.SIGKILL, '--sched', 'fine_tune', '--background', '--sleep', '0.05')
+        assert rc == -signal.SIGKILL
+    lines = run_to_end(d, out, '--sched', 'fine_tune', '--background')
+    assert batches(lines)[0][0] == '1', "the first fit call completed before and is not trained again"
+    same(refs['fine_tune'], out)
+
+def test_two_fits(refs, tmp_path):
+    "A script with two fit_one_cycle calls, killed in the second"
+    d,out = tmp_path/'run',tmp_path/'out.pth'
+    rc,_,_ = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, '--sched', 'two', '--sleep', '0.05')
+    assert rc == -signal.SIGKILL
+    lines = run_to_end(d, out, '--sched', 'two')
+    assert {b[0] for b in batches(lines)} == {'1'}
+    same(refs['two'], out)
