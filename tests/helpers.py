@@ -1,0 +1,89 @@
+"Shared utilities for the process-level tests: bounded subprocesses and bitwise comparison of saved results"
+import os, signal, subprocess, sys
+from pathlib import Path
+import torch
+
+PY = sys.executable
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+
+def test_env(env=None):
+    "The environment for a test subprocess: one thread per op, the repo importable, no progress bars"
+    e = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1', PYTHONHASHSEED='0', PYTHONUNBUFFERED='1')
+    e['PYTHONPATH'] = os.pathsep.join([str(ROOT), str(TESTS)] + ([e['PYTHONPATH']] if e.get('PYTHONPATH') else []))
+    e.update(env or {})
+    return e
+
+def run(cmd, timeout, env=None, cwd=None):
+    "Run `cmd` in its own process group, wait at most `timeout` seconds (killing the whole group then), return (rc, stdout, stderr)"
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=test_env(env), cwd=cwd,
+                         start_new_session=True)
+    try: out,err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(p)
+        out,err = p.communicate()
+        return -signal.SIGKILL, out, (err or '') + f'\n[helpers.run] killed after {timeout}s timeout'
+    finally: kill_group(p)  # leftover children (e.g. DataLoader workers) never outlive a test
+    return p.returncode, out, err
+
+def start(cmd, env=None, cwd=None):
+    "Start `cmd` in its own process group (finish it with `finish`)"
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=test_env(env), cwd=cwd,
+                            start_new_session=True)
+
+def finish(p, timeout):
+    "Wait for a process from `start` at most `timeout` seconds, as `run` does"
+    try: out,err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(p)
+        out,err = p.communicate()
+        return -signal.SIGKILL, out, (err or '') + f'\n[helpers.finish] killed after {timeout}s timeout'
+    finally: kill_group(p)
+    return p.returncode, out, err
+
+def kill_group(p):
+    "Kill the process group of `p` (started with `start_new_session=True`)"
+    try: os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError): pass
+
+def check_rc(res, what='process'):
+    "Assert a (rc, out, err) result succeeded, showing its output otherwise"
+    rc,out,err = res
+    assert rc == 0, f"{what} failed with rc={rc}\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-6000:]}"
+
+def load_result(f): return torch.load(f, weights_only=False)
+
+def diff_values(a, b, path='')->list:
+    "Where plain nested values `a` and `b` differ (tensors compared with `torch.equal`, dtype included)"
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)): return [f"{path}: {type(a).__name__} vs {type(b).__name__}"]
+        if a.dtype != b.dtype or a.shape != b.shape: return [f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"]
+        if not torch.equal(a, b):
+            d = (a.double()-b.double()).abs().max().item() if a.is_floating_point() else 'n/a'
+            return [f"{path}: tensors differ (max abs diff {d})"]
+        return []
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b): return [f"{path}: keys {sorted(map(str,set(a)^set(b)))} in only one"]
+        return [d for k in a for d in diff_values(a[k], b[k], f"{path}.{k}")]
+    if type(a).__name__ == 'L': a = list(a)  # fastcore's `L`: the resumed optimizer's `hypers` is a plain list (see test_exact.py)
+    if type(b).__name__ == 'L': b = list(b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b): return [f"{path}: length {len(a)} vs {len(b)}"]
+        return [d for i,(x,y) in enumerate(zip(a, b)) for d in diff_values(x, y, f"{path}[{i}]")]
+    if type(a) != type(b) and not (isinstance(a, (int, float)) and isinstance(b, (int, float))):
+        return [f"{path}: {type(a).__name__} {a!r} vs {type(b).__name__} {b!r}"]
+    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
+
+EXACT_KEYS = ('model', 'model_pre', 'opt', 'values', 'losses', 'lrs', 'iters', 'hps', 'train_iter', 'pct_train', 'epoch',
+              'trackers', 'csv')
+
+def compare_results(ref, got, keys=EXACT_KEYS)->list:
+    "Differences between two results written by `exact_script.py` (files or dicts), bitwise; `[]` when identical"
+    if not isinstance(ref, dict): ref = load_result(ref)
+    if not isinstance(got, dict): got = load_result(got)
+    return [d for k in keys if k in ref or k in got for d in diff_values(ref.get(k), got.get(k), k)]
+
+def assert_same(ref, got, what=''):
+    "Assert two results are bitwise identical"
+    d = compare_results(ref, got)
+    assert not d, f"{what}: {len(d)} differences, first: " + '\n'.join(d[:8])
