@@ -7,7 +7,9 @@ Docs: https://resumable-train.github.io/resumable_train/all.html.md"""
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/09_all.ipynb #8fc2345b
+# %% ../nbs/09_all.ipynb #a8cfaa7a
+from . import state, learner, autoresume
 from .state import *
 from .learner import *
 from .autoresume import *
+__all__ = state.__all__ + learner.__all__ + autoresume.__all__

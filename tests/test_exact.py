@@ -141,8 +141,6 @@ def test_mismatch_messages(errors):
     o = errors['opt_groups_mismatch']
     assert o.startswith('CheckpointError') and 'rp.pth' in o and 'groups' in o, o
 
-@pytest.mark.xfail(reason="resumable_train/all.py has nbdev's `__all__ = []` (the #| export cell of 09_all defines no name), so the star "
-                          "import brings nothing; remove this mark when fixed", strict=False)
 def test_all_exports_public_names(errors):
     "`from resumable_train.all import *` brings every public name"
     assert not errors['missing_from_all'], f"missing from `from resumable_train.all import *`: {errors['missing_from_all']}"
