@@ -15,6 +15,7 @@ from fastai.torch_core import rank_distrib
 from fastai.callback.core import Callback, CancelFitException
 from .state import *
 from .learner import *
+from .learner import _position
 
 # %% auto #0
 __all__ = ['list_checkpoints', 'newest_valid', 'agree', 'AutoResume']
@@ -211,18 +212,28 @@ def after_epoch(self:AutoResume):
 
 @patch
 def _stop(self:AutoResume, signum):
+    self.writer.wait()
     self.stopped,self.signum = True,signum
-    self._say(f"AutoResume: stopped by {signal.Signals(signum).name} at epoch {self.epoch}, batch {self.iter+1}; run the same command again to continue")
+    ep,it = _position(self.learn)
+    self._say(f"AutoResume: stopped by {signal.Signals(signum).name} at epoch {ep}, batch {it}; run the same command again to continue")
     raise CancelFitException()
+
+@patch
+def _cleanup(self:AutoResume):
+    self._restore_handlers()
+    if self.added_seed: self.learn.remove_cbs(L(self.learn.cbs).filter(lambda cb: isinstance(cb, SeedBatches)))
+
+@patch
+def after_cancel_fit(self:AutoResume):
+    "A stop by a signal ends the process here, before other callbacks' `after_fit` (which may fail on a half-trained run)"
+    if not self.stopped: return
+    self._cleanup()
+    if self.signum == signal.SIGINT: raise KeyboardInterrupt("AutoResume: stopped by Ctrl-C; resume point saved")
+    raise SystemExit(128 + self.signum)
 
 @patch
 def after_fit(self:AutoResume):
     try:
-        if not (self.skipped or self.stopped): self._save()
+        if not self.skipped: self._save()
         self.writer.wait()
-    finally:
-        self._restore_handlers()
-        if self.added_seed: self.learn.remove_cbs(L(self.learn.cbs).filter(lambda cb: isinstance(cb, SeedBatches)))
-    if self.stopped:
-        if self.signum == signal.SIGINT: raise KeyboardInterrupt("AutoResume: stopped by Ctrl-C; resume point saved")
-        raise SystemExit(128 + self.signum)
+    finally: self._cleanup()

@@ -88,14 +88,17 @@ class SeedBatches(Callback):
     "Make the item randomness of each training batch depend only on the epoch's order and the batch index"
     order = 900
     def before_train(self):
+        self.after_train()  # a training phase that an exception ended left its patches
         self.dl_ = dl = self.learn.dl
         self.old = {n: dl.__dict__.get(n) for n in ('get_idxs','create_batches')}
         dl.get_idxs = partial(_seeded_idxs, dl, dl.get_idxs, self.dls.train)
         dl.create_batches = partial(_seeded_batches, dl)
     def after_train(self):
-        for n,v in self.old.items():
+        for n,v in getattr(self, 'old', {}).items():
             if v is None: self.dl_.__dict__.pop(n, None)
             else: setattr(self.dl_, n, v)
+        self.old = {}
+    after_fit = after_train
 
 # %% ../nbs/01_learner.ipynb #5f9cde89
 def _grad_state(p): return None if p.grad is None else p.grad if p.grad.any() else 0
@@ -212,6 +215,8 @@ def _load_opt(opt, sd, file):
                for k,v in s.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape]
         if bad: raise CheckpointError(f"{file}: the optimizer state does not match this model: {'; '.join(bad[:5])}")
     opt.load_state_dict({k:v for k,v in sd.items() if k != 'resume'})
+    if isinstance(getattr(type(opt), 'hypers', None), property): return
+    opt.hypers = L(opt.hypers)  # saved as a plain list; fastai's optimizers keep an `L`
 
 @patch
 def load(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
