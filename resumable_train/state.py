@@ -149,7 +149,8 @@ def load_callback_states(learn, sds:dict):
     "Give each callback of `learn` its state from `callback_states`"
     cbs = {cb.name: cb for cb in learn.cbs if has_state(cb)}
     if set(sds) - set(cbs):
-        raise ValueError(f"The resume point holds the state of callbacks this Learner does not have: {sorted(set(sds)-set(cbs))}; add them, as in the run that saved it")
+        raise ValueError(f"The resume point holds the state of callbacks this Learner does not have: {sorted(set(sds)-set(cbs))}; "
+                         "add them, as in the run that saved it, or load the file with `with_iter=False` to start a fresh fit")
     for n,sd in sds.items(): cbs[n].load_state_dict(sd)
 
 # %% ../nbs/00_state.ipynb #4fe5965d
