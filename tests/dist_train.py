@@ -1,0 +1,73 @@
+"""A tiny training script for the DistributedTrainer tests: run it with `torchrun --standalone --nproc_per_node=2 dist_train.py OUT ...`
+(or with plain `python`). Each rank writes OUT/rank{R}.pt with its final weights, Recorder values, a single-process validation of the
+final weights, the files it opened for writing during fit, and timings."""
+import argparse, builtins, io, os, signal, sys, time
+from pathlib import Path
+import torch
+from torch import nn
+
+p = argparse.ArgumentParser()
+p.add_argument('out')
+p.add_argument('--epochs', type=int, default=3)
+p.add_argument('--n-train', type=int, default=7)       # batches of 15 in the whole training set: 105 items, not a multiple of 2
+p.add_argument('--every', type=int, default=0)         # AutoResume(every_iter=...); 0: no AutoResume
+p.add_argument('--kill-rank', type=int, default=-1)    # SIGKILL this rank ...
+p.add_argument('--kill-at', type=int, default=-1)      # ... after this training batch (train_iter)
+p.add_argument('--stop-rank0-at', type=int, default=-1)  # rank 0 alone raises CancelFitException at the end of this epoch
+p.add_argument('--sleep', type=float, default=0.)      # seconds per training batch
+p.add_argument('--mark-at', type=int, default=-1)      # rank 0 writes OUT/marker after this training batch
+p.add_argument('--timeout', type=float, default=20)
+p.add_argument('--no-gate', action='store_true')      # for timing only: skip the stop all-reduce (stops then are not coordinated)
+args = p.parse_args()
+out = Path(args.out); (out/'run').mkdir(parents=True, exist_ok=True)
+rank = int(os.environ.get('RANK', 0))
+
+from fastai.basics import *
+from fastai.test_utils import synth_dbunch
+from fastai.callback.progress import CSVLogger
+from fastai.callback.tracker import SaveModelCallback
+import resumable_train
+from resumable_train.autoresume import AutoResume
+from resumable_train.distributed import DistributedTrainer
+
+writes = []
+def _audited(f):
+    def _g(file, *a, **k):
+        mode = a[0] if a else k.get('mode', 'r')
+        if isinstance(mode, str) and any(c in mode for c in 'wax+'): writes.append(str(file))
+        return f(file, *a, **k)
+    return _g
+_open, _replace, _save = io.open, os.replace, torch.save
+def _start_audit():
+    builtins.open, io.open = _audited(builtins.open), _audited(io.open)
+    os.replace = lambda a, b, *x, **k: (writes.append(str(b)), _replace(a, b, *x, **k))[1]
+    torch.save = lambda obj, f, *x, **k: (writes.append(str(f)) if isinstance(f, (str, Path)) else None, _save(obj, f, *x, **k))[1]
+
+class Test(Callback):
+    order = 96
+    def after_batch(self):
+        if not self.training: return
+        if args.sleep: time.sleep(args.sleep)
+        if rank == 0 and self.train_iter == args.mark_at: (out/'marker').touch()
+        if rank == args.kill_rank and self.train_iter == args.kill_at: os.kill(os.getpid(), signal.SIGKILL)
+    def after_epoch(self):
+        if rank == 0 and self.epoch == args.stop_rank0_at: raise CancelFitException()
+
+trainer = DistributedTrainer(timeout=args.timeout)
+if args.no_gate: trainer._agree = lambda stop: stop
+set_seed(0)
+dls = synth_dbunch(bs=15, n_train=args.n_train, n_valid=3)
+model = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
+torch.manual_seed(1000 + rank)   # each rank its own random streams (dropout), which a resume must give back to each
+cbs = [trainer, Test(), CSVLogger(), SaveModelCallback(every_epoch=True)] + ([AutoResume(every_iter=args.every)] if args.every else [])
+learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=[mae, rmse], cbs=cbs, path=out/'run')
+_start_audit()
+start = time.perf_counter()
+learn.fit(args.epochs, 1e-2)
+secs = time.perf_counter() - start
+builtins.open, io.open, os.replace, torch.save = _open, _open, _replace, _save
+learn.remove_cbs([CSVLogger, AutoResume])   # `validate` runs their before_fit/after_fit, which would write
+res = dict(model={k: v.clone() for k, v in learn.model.state_dict().items()}, values=learn.recorder.values, train_iter=learn.train_iter,
+           epochs=len(learn.recorder.values), validate=list(learn.validate()), writes=writes, secs=secs,
+           gate_secs=trainer.gate_secs, world_size=trainer.world_size)
+torch.save(res, out/f'rank{rank}.pt')
