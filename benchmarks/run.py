@@ -1,0 +1,40 @@
+#!/usr/bin/env python
+"""Benchmarks of resumable_train: fast-forward, checkpoint cost, AutoResume overhead, background-write stalls, memory.
+
+    python benchmarks/run.py            # all, full size (a few minutes); tables printed and kept in benchmarks/results/
+    python benchmarks/run.py --quick    # smoke run, seconds
+    python benchmarks/run.py --only checkpoint memory --device cuda
+"""
+import argparse, json, sys, time
+from pathlib import Path
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # these modules, then this checkout's package
+
+NAMES = ('fastforward', 'checkpoint', 'overhead', 'stall', 'memory')
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--quick', action='store_true', help='tiny sizes and one repetition: checks the benchmarks run, numbers mean little')
+    p.add_argument('--only', nargs='+', choices=NAMES, default=NAMES, help='run only these benchmarks')
+    p.add_argument('--out', default=None, help='folder for the .md/.json tables (default benchmarks/results, or benchmarks/results/quick with --quick)')
+    p.add_argument('--device', default=None, help="device of the model for checkpoint, overhead, stall and memory (e.g. cuda); cpu by default")
+    p.add_argument('--reps', type=int, default=None, help='repetitions per variant (default: each benchmark its own)')
+    p.add_argument('--threads', type=int, default=None, help='torch threads (default: torch default)')
+    p.add_argument('--memory-child', nargs=2, metavar=('VARIANT', 'SIZE'), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    import torch
+    if a.threads: torch.set_num_threads(a.threads)
+    import memory
+    if a.memory_child: return print(json.dumps(memory.measure(*a.memory_child, device=a.device)))
+    from common import RESULTS, machine_info
+    import fastforward, checkpoint, overhead, stall
+    out = Path(a.out) if a.out else RESULTS/'quick' if a.quick else RESULTS
+    info = machine_info(a.quick, a.device)
+    mods = dict(fastforward=fastforward, checkpoint=checkpoint, overhead=overhead, stall=stall, memory=memory)
+    for n in a.only:
+        t0 = time.perf_counter()
+        kw = dict(device=a.device) if n != 'fastforward' else {}
+        t = mods[n].run(quick=a.quick, reps=a.reps, **kw)
+        t.save(out, info)
+        print(t.markdown(info) + f"({n}: {time.perf_counter()-t0:.0f} s; written to {out/n}.md and .json)\n", flush=True)
+
+if __name__ == '__main__': main()

@@ -1,0 +1,17 @@
+"The benchmarks run: `python benchmarks/run.py --quick` prints and writes every table (numbers are not checked: performance is measured, not asserted)"
+import json
+from helpers import PY, ROOT, run, check_rc
+
+NAMES = ('fastforward', 'checkpoint', 'overhead', 'stall', 'memory')
+
+def test_quick_benchmarks(tmp_path):
+    res = run([PY, str(ROOT/'benchmarks'/'run.py'), '--quick', '--out', str(tmp_path)], timeout=120)
+    check_rc(res, 'benchmarks/run.py --quick')
+    out = res[1]
+    for n in NAMES:
+        md,js = tmp_path/f'{n}.md',tmp_path/f'{n}.json'
+        assert md.exists() and js.exists(), f"{n}: no table written\n{out[-3000:]}"
+        t = json.loads(js.read_text())
+        assert t['rows'] and all(len(r) == len(t['columns']) for r in t['rows']), t
+        assert {'date', 'cores', 'torch', 'fastai'} <= set(t['info'])
+        assert t['title'] in out and '| ' + ' | '.join(t['columns']) + ' |' in out, f"{n}: table not printed\n{out[-3000:]}"
