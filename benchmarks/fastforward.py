@@ -1,5 +1,5 @@
 "1. Fast-forward cost: time from `fit` start to the first trained batch when resuming at batch k of an epoch"
-import random, tempfile, time
+import random, shutil, tempfile, time
 from fastai.callback.core import Callback, CancelBatchException, CancelFitException
 from resumable_train.learner import *
 from common import *
@@ -43,6 +43,10 @@ def run(quick=False, device=None, reps=None):
     reps = reps or (1 if quick else 5)
     bs,delay,workers = 8,0.002,(0, 2)
     tmp = tempfile.mkdtemp(prefix='bench-ff-')
+    try: return _run(ks, cancel_max, cancel_reps, reps, bs, delay, workers, tmp)
+    finally: shutil.rmtree(tmp, ignore_errors=True)
+
+def _run(ks, cancel_max, cancel_reps, reps, bs, delay, workers, tmp):
     learns = {nw: make_learner(max(ks)+2, bs=bs, delay=delay, num_workers=nw, path=tmp) for nw in workers}
     rp = {k: f'rp-{k}' for k in ks if k}
     for k in rp: learns[0].fit(1, start_iter=k-1, cbs=SaveAfterFirst(rp[k]))  # a resume point at batch k
