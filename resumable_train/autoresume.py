@@ -70,7 +70,19 @@ class _Writer:
             e,self.error = self.error,None
             raise e
 
-# %% ../nbs/02_autoresume.ipynb #b418da09
+# %% ../nbs/02_autoresume.ipynb #6b3b302d
+def _into(new, buf=None):
+    "A host copy of `new`, reusing the same-shaped tensors of `buf` (an earlier copy) where it can"
+    if isinstance(new, torch.Tensor):
+        if isinstance(buf, torch.Tensor) and buf.shape == new.shape and buf.dtype == new.dtype: return buf.copy_(new)
+        return torch.empty(new.shape, dtype=new.dtype, pin_memory=new.is_cuda).copy_(new)
+    if isinstance(new, dict): return {k: _into(v, buf.get(k) if isinstance(buf, dict) else None) for k,v in new.items()}
+    if isinstance(new, (list, tuple)):
+        bufs = buf if isinstance(buf, (list, tuple)) and len(buf) == len(new) else [None]*len(new)
+        return type(new)(_into(v, b) for v,b in zip(new, bufs))
+    return new
+
+# %% ../nbs/02_autoresume.ipynb #127654cc
 def agree(x:int)->int:
     "The maximum of `x` over all ranks (the value itself without `torch.distributed`)"
     if not (dist.is_available() and dist.is_initialized()): return x
@@ -78,7 +90,7 @@ def agree(x:int)->int:
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
-# %% ../nbs/02_autoresume.ipynb #c72d85ee
+# %% ../nbs/02_autoresume.ipynb #84f33688
 _SIGNALS = ('SIGTERM', 'SIGINT', 'SIGUSR1')
 
 class AutoResume(Callback):
@@ -93,7 +105,7 @@ class AutoResume(Callback):
                  verbose:bool=True, # say where training resumed
                 ):
         store_attr('fname,every_iter,every_secs,keep,background,signals,verbose')
-        self.fit_index,self.fits,self.found,self.writer = -1,[],None,_Writer(background)
+        self.fit_index,self.fits,self.found,self.writer,self.buffers = -1,[],None,_Writer(background),None
 
     @property
     def folder(self): return self.learn.path/self.learn.model_dir
@@ -101,7 +113,7 @@ class AutoResume(Callback):
     def _say(self, msg):
         if self.verbose and not rank_distrib(): print(msg)
 
-# %% ../nbs/02_autoresume.ipynb #84f33688
+# %% ../nbs/02_autoresume.ipynb #b10491a1
 def _describe(rec):
     if rec['epoch'] is None: return f"the end of fit call {rec['fit_index']}"
     return f"fit call {rec['fit_index']}, epoch {rec['epoch']}, batch {rec['iter']}"
@@ -139,7 +151,7 @@ def _decide(self:AutoResume):
     if rec['fit_index'] > i: raise CancelFitException()
     if rec['fit_index'] < i: return
     self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
-    try: self.learn.load(file.with_suffix(''), with_iter=rec['epoch'] is not None)
+    try: self.learn.load(file.absolute().with_suffix(''), with_iter=rec['epoch'] is not None)
     except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
     if rec['epoch'] is None:
         load_callback_states(self.learn, rec['callbacks'])
@@ -148,23 +160,26 @@ def _decide(self:AutoResume):
         self.skipped = True
         raise CancelFitException()
 
-# %% ../nbs/02_autoresume.ipynb #b10491a1
+# %% ../nbs/02_autoresume.ipynb #a43a4e2d
 @patch
 def _save(self:AutoResume):
     "Write a resume point at this moment of training"
     file = self.folder/f'{self.fname}-{self.next_num:04d}.pth'
     self.next_num += 1
     extra = dict(fit_index=self.fit_index, fits=self.fits)
-    if rank_distrib(): return self.learn.save(file.with_suffix(''), extra=extra)
+    if rank_distrib(): return self.learn.save(file.absolute().with_suffix(''), extra=extra)
     self.folder.mkdir(parents=True, exist_ok=True)
-    self.writer(checkpoint(self.learn, extra=extra, copy=self.background), file, then=self._prune)
+    self.writer.wait()  # before copying: one copy of the state at a time
+    ck = checkpoint(self.learn, extra=extra)
+    if self.background: ck = self.buffers = _into(ck, self.buffers)
+    self.writer(ck, file, then=self._prune)
     self.last_save = time.monotonic()
 
 @patch
 def _prune(self:AutoResume):
     for p in list_checkpoints(self.folder, self.fname)[self.keep:]: p.unlink(missing_ok=True)
 
-# %% ../nbs/02_autoresume.ipynb #a43a4e2d
+# %% ../nbs/02_autoresume.ipynb #4e0a3870
 @patch
 def _on_signal(self:AutoResume, signum, frame):
     if self.signum == signal.SIGINT and signum == signal.SIGINT: raise KeyboardInterrupt
@@ -183,10 +198,11 @@ def _restore_handlers(self:AutoResume):
     for s,h in getattr(self, 'old_handlers', {}).items(): signal.signal(s, h)
     self.old_handlers = {}
 
-# %% ../nbs/02_autoresume.ipynb #4e0a3870
+# %% ../nbs/02_autoresume.ipynb #6d780516
 @patch
 def before_fit(self:AutoResume):
-    if hasattr(self.learn, 'lr_finder'): self.run = False; return  # `lr_find` is not a fit call of the run
+    if hasattr(self.learn, 'lr_finder') or not getattr(self.learn, '_fitting', False):
+        self.run = False; return  # `lr_find`, and `validate`/`get_preds` (which send `before_fit` too), are not fit calls of the run
     self.fit_index += 1
     self.signum,self.skipped,self.stopped = 0,False,False
     self.last_save = time.monotonic()
@@ -221,6 +237,7 @@ def _stop(self:AutoResume, signum):
 @patch
 def _cleanup(self:AutoResume):
     self._restore_handlers()
+    self.buffers = None
     if self.added_seed: self.learn.remove_cbs(L(self.learn.cbs).filter(lambda cb: isinstance(cb, SeedBatches)))
 
 @patch

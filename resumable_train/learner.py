@@ -6,13 +6,14 @@ Docs: https://resumable-train.github.io/resumable_train/learner.html.md"""
 
 # %% ../nbs/01_learner.ipynb #886b3d1f
 from __future__ import annotations
-import itertools, time, warnings
+import itertools, random, time, warnings
+from contextlib import contextmanager
 from functools import partial, wraps
 import numpy as np, torch, fastai
 from fastcore.basics import patch, store_attr, GetAttr
 from fastcore.foundation import L
 from fastcore.meta import delegates
-from fastai.torch_core import get_model, distrib_barrier, rank_distrib, no_random
+from fastai.torch_core import get_model, distrib_barrier, rank_distrib
 from fastai.data.load import DataLoader
 from fastai.callback.core import Callback, CancelEpochException
 from fastai.learner import Learner, save_model
@@ -73,13 +74,21 @@ def _seeded_idxs(dl, get_idxs, rng_dl):
     dl._epoch_seed = int(np.random.SeedSequence(list(rng_dl.rng.getstate()[1])).generate_state(1)[0])  # not `hash`: hash(None) varies between processes before Python 3.12
     return idxs
 
+@contextmanager
+def _seeded(s):
+    "Run under seed `s` for python's, numpy's and torch's CPU streams, then put them back (cheaper than fastai's `no_random`)"
+    st = random.getstate(),np.random.get_state(),torch.get_rng_state()
+    random.seed(s); np.random.seed(s % (2**32-1)); torch.default_generator.manual_seed(s)
+    try: yield
+    finally: random.setstate(st[0]); np.random.set_state(st[1]); torch.set_rng_state(st[2])
+
 def _seeded_batches(dl, samps):
     "Like `DataLoader.create_batches`, with each batch's items made under a seed of (epoch order, batch index)"
     if dl.dataset is not None: dl.it = iter(dl.dataset)
     bs,first = dl.bs or 1,getattr(dl, '_first_iter', 0)
     for i,chunk in itertools.groupby(enumerate(dl._DataLoader__idxs), key=lambda o: o[0]//bs):
         if i % dl.num_workers != dl.offs: continue
-        with no_random(int(np.random.SeedSequence([dl._epoch_seed, first+i]).generate_state(1)[0])):
+        with _seeded(int(np.random.SeedSequence([dl._epoch_seed, first+i]).generate_state(1)[0])):
             items = [o for o in map(dl.do_item, (s for _,s in chunk)) if o is not None]
         if dl.prebatched: yield from map(dl.do_batch, items)
         elif items and not (dl.drop_last and len(items) < bs): yield dl.do_batch(items)
@@ -123,6 +132,7 @@ def resume_point(learn)->dict|None:
     return to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train,
         setup=run_setup(learn, learn.n_epoch), hypers=learn.opt.hypers, rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders],
         epoch_rng=skip.epoch_rng if it else None, callbacks=callback_states(learn),
+        metric_names=list(getattr(getattr(learn, 'recorder', None), 'metric_names', [])),
         grads=[_grad_state(p) for p in learn.model.parameters()], meta=_meta()))
 
 # %% ../nbs/01_learner.ipynb #34e07e63
@@ -153,8 +163,8 @@ class SkipToIter(Callback):
         set_rng_state(self.rp['rng'])
 
     def _replayed_pct(self):
-        pct = self.pct_train
-        for _ in range(self.start_iter): pct += 1./(self.n_iter_train*self.n_epoch)
+        pct,step = self.pct_train,1./(self.n_iter_train*self.n_epoch)
+        for _ in range(self.start_iter): pct += step  # the additions TrainEvalCallback makes, bit for bit
         return pct
 
     def before_train(self):
@@ -176,15 +186,16 @@ class SkipToIter(Callback):
 # %% ../nbs/01_learner.ipynb #ee188288
 def _record(learn, with_iter, extra=None):
     rp = resume_point(learn) if with_iter else None
-    return to_plain(dict(rp if rp is not None else dict(epoch=None, meta=_meta()), **(extra or {})))
+    return dict(rp if rp is not None else to_plain(dict(epoch=None, meta=_meta())), **to_plain(extra or {}))
 
 def checkpoint(learn, with_iter:bool=True, # include the resume point
                extra:dict|None=None, # more plain values to keep in the record
                copy:bool=False, # copy every tensor to host memory, so training can go on while it is written
               )->dict:
     "What `learn.save` writes: model, optimizer and the resume record"
+    rec = _record(learn, with_iter, extra)
     return make_checkpoint(to_plain(get_model(learn.model).state_dict(), copy), to_plain(learn.opt.state_dict(), copy),
-                           to_plain(_record(learn, with_iter, extra), copy))
+                           to_plain(rec, copy) if copy else rec)
 
 @patch
 def save(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np, torch
 from fastcore.basics import patch, store_attr
 from fastcore.foundation import L
-from fastai.torch_core import get_random_states, set_random_states
+from fastai.torch_core import get_random_states, set_random_states, num_distrib
 from fastai.learner import Recorder
 from fastai.callback.core import Callback
 from fastai.callback.schedule import ParamScheduler
@@ -45,15 +45,18 @@ def to_plain(o, copy:bool=False): # copy tensors to host memory, detached from t
 # %% ../nbs/00_state.ipynb #f3bf9088
 def _np_plain(s): return [s[0], torch.from_numpy(s[1].astype(np.int64)), *s[2:]]
 def _np_state(s): return (s[0], s[1].numpy().astype(np.uint32), *s[2:])
+def _py_plain(s): return [s[0], torch.tensor(s[1], dtype=torch.int64), s[2]]
+def _py_state(s): return (s[0], tuple(s[1].tolist()), s[2])
 
 def rng_state()->dict:
     "The random streams of python, numpy and torch (CPU and CUDA), as plain values"
     s = get_random_states()
-    return dict(s, numpy_state=_np_plain(s['numpy_state']), torch_cuda_state=list(s['torch_cuda_state']))
+    return dict(s, random_state=_py_plain(s['random_state']), numpy_state=_np_plain(s['numpy_state']),
+                torch_cuda_state=list(s['torch_cuda_state']))
 
 def set_rng_state(s:dict): # a dict from `rng_state`
     "Restore the random streams saved by `rng_state`"
-    set_random_states(**dict(s, random_state=(s['random_state'][0], tuple(s['random_state'][1]), s['random_state'][2]),
+    set_random_states(**dict(s, random_state=_py_state(s['random_state']),
                              numpy_state=_np_state(s['numpy_state']), torch_state=s['torch_state'].cpu(),
                              torch_cuda_state=[t.cpu() for t in s['torch_cuda_state']]))
 
@@ -61,12 +64,11 @@ def set_rng_state(s:dict): # a dict from `rng_state`
 def dl_rng_state(dl)->list|None:
     "The state of `dl.rng` as plain values (`None` for a DataLoader without one, such as PyTorch's)"
     if not isinstance(getattr(dl, 'rng', None), random.Random): return None
-    v,internal,gauss = dl.rng.getstate()
-    return [v, list(internal), gauss]
+    return _py_plain(dl.rng.getstate())
 
 def set_dl_rng_state(dl, s:list|None):
     "Restore `dl.rng` from `dl_rng_state`"
-    if s is not None: dl.rng.setstate((s[0], tuple(s[1]), s[2]))
+    if s is not None: dl.rng.setstate(_py_state(s))
 
 # %% ../nbs/00_state.ipynb #4ee0f400
 def has_state(cb)->bool:
@@ -89,12 +91,15 @@ def _set_metric_state(m, sd): m.load_state_dict(sd) if has_state(m) else _set_va
 @patch
 def state_dict(self:Recorder):
     "History, smoothed loss and running training metrics"
-    return dict(_vars_state(self, ('lrs','iters','losses','values')), metrics=[_metric_state(m) for m in self._train_mets])
+    sd = _vars_state(self, ('lrs','iters','losses','values'))
+    if sd.get('losses'): sd['losses'] = torch.stack(sd['losses'])  # one tensor, not one file record per batch
+    return dict(sd, metrics=[_metric_state(m) for m in self._train_mets])
 
 @patch
 def load_state_dict(self:Recorder, sd):
     "Restore the state saved by `Recorder.state_dict`"
-    _set_vars(self, {k:list(sd[k]) for k in ('lrs','iters','losses','values')})
+    _set_vars(self, {k:list(sd[k]) for k in ('lrs','iters','values')})
+    self.losses = list(sd['losses'].unbind()) if isinstance(sd['losses'], torch.Tensor) else list(sd['losses'])
     for m,s in zip(self._train_mets, sd['metrics']): _set_metric_state(m, s)
     if self.smooth_loss.count: self.learn.smooth_loss = self.smooth_loss.value
 
@@ -194,9 +199,10 @@ def _why_unreadable(file, e):
             with zipfile.ZipFile(file) as z: bad = z.testzip()
         except Exception as ze: return f"is corrupt ({ze})"
         if bad: return f"is corrupt (record {bad} fails its checksum)"
-    if isinstance(e, pickle.UnpicklingError) and 'weights only' in str(e).lower():
-        return "holds Python objects that are not weights; refusing to unpickle it (loading is always weights_only=True)"
     with open(file, 'rb') as f: head = f.read(4)
+    pickled = head[:2] == b'PK' or head[:1] == b'\x80'  # a torch zip file, or a bare pickle
+    if pickled and isinstance(e, pickle.UnpicklingError) and 'unsupported global' in str(e).lower():
+        return "holds Python objects that are not weights; refusing to unpickle it (loading is always weights_only=True)"
     if head[:2] == b'PK': return f"is truncated or corrupt ({size:,} bytes; {str(e).splitlines()[0]})"
     return f"is not a PyTorch checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})"
 
@@ -229,7 +235,7 @@ def run_setup(learn, n_epoch:int)->dict:
     dl = learn.dls.train
     return dict(n_epoch=n_epoch, n_iter=len(dl), bs=getattr(dl, 'bs', getattr(dl, 'batch_size', None)),
                 n_items=getattr(dl, 'n', None) or len(dl.dataset), n_params=sum(p.numel() for p in learn.model.parameters()),
-                schedule=getattr(learn, '_schedule', 'fit'))
+                schedule=getattr(learn, '_schedule', 'fit'), world_size=num_distrib() or 1)
 
 def check_setup(saved:dict, now:dict, file=''):
     "Raise if the run that saved a resume point differs from this one"
