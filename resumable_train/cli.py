@@ -56,12 +56,13 @@ def _num(v): return v.item() if isinstance(v, torch.Tensor) else v
 
 def _metrics(rec):
     rs = (rec.get('callbacks') or {}).get('recorder') or {}
-    vals,losses,lrs = rs.get('values') or [],rs.get('losses') or [],rs.get('lrs') or []
+    vals,lrs = rs.get('values') or [],rs.get('lrs') or []
+    losses = rs.get('losses') if rs.get('losses') is not None else []  # one stacked tensor (or a list, in older files)
     row = [_num(v) for v in vals[-1]] if vals else []
     names = list(rec.get('metric_names') or [])[:len(row)]
     names += ['train_loss', 'valid_loss', *[f'metric_{i}' for i in range(len(row))]][len(names):len(row)]
     return dict(epoch=len(vals)-1 if vals else None, values=dict(zip(names, row)),
-                loss=_num(losses[-1]) if losses else None, lr=_num(lrs[-1]) if lrs else None)
+                loss=_num(losses[-1]) if len(losses) else None, lr=_num(lrs[-1]) if lrs else None)
 
 def checkpoint_info(file)->dict:
     "What the checkpoint `file` holds, as plain values; raises `CheckpointError` if it is damaged or not a checkpoint"

@@ -118,6 +118,12 @@ def _position(learn):
     if ev == 'after_batch' and learn.training: return learn.epoch, learn.iter+1
     if ev == 'after_epoch': return learn.epoch+1, 0
 
+def _value_names(learn):
+    "The names of the columns of `learn.recorder.values`"
+    rec = getattr(learn, 'recorder', None)
+    if rec is None or not hasattr(rec, 'metric_names'): return []
+    return list(rec.metric_names[1:-1] if rec.add_time else rec.metric_names[1:])
+
 def _meta():
     from resumable_train import __version__
     return dict(time=time.time(), torch=torch.__version__, fastai=fastai.__version__, resumable_train=__version__)
@@ -132,7 +138,7 @@ def resume_point(learn)->dict|None:
     return to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train,
         setup=run_setup(learn, learn.n_epoch), hypers=learn.opt.hypers, rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders],
         epoch_rng=skip.epoch_rng if it else None, callbacks=callback_states(learn),
-        metric_names=list(getattr(getattr(learn, 'recorder', None), 'metric_names', [])),
+        metric_names=_value_names(learn),
         grads=[_grad_state(p) for p in learn.model.parameters()], meta=_meta()))
 
 # %% ../nbs/01_learner.ipynb #34e07e63
