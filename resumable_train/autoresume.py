@@ -207,8 +207,9 @@ def before_fit(self:AutoResume):
     self.signum,self.skipped,self.stopped = 0,False,False
     self.last_save = time.monotonic()
     self.fits = self.fits[:self.fit_index] + [run_setup(self.learn, self.n_epoch)]
-    if not any(isinstance(cb, SeedBatches) for cb in self.learn.cbs): self.learn.add_cb(SeedBatches()); self.added_seed = True
-    else: self.added_seed = False
+    workers = getattr(getattr(self.dls.train, 'fake_l', None), 'num_workers', 0)
+    self.added_seed = bool(workers) and not any(isinstance(cb, SeedBatches) for cb in self.learn.cbs)
+    if self.added_seed: self.learn.add_cb(SeedBatches())
     self._decide()
     self._install_handlers()
 

@@ -85,13 +85,13 @@ def _seeded(s):
 def _seeded_batches(dl, samps):
     "Like `DataLoader.create_batches`, with each batch's items made under a seed of (epoch order, batch index)"
     if dl.dataset is not None: dl.it = iter(dl.dataset)
-    bs,first = dl.bs or 1,getattr(dl, '_first_iter', 0)
-    for i,chunk in itertools.groupby(enumerate(dl._DataLoader__idxs), key=lambda o: o[0]//bs):
-        if i % dl.num_workers != dl.offs: continue
-        with _seeded(int(np.random.SeedSequence([dl._epoch_seed, first+i]).generate_state(1)[0])):
-            items = [o for o in map(dl.do_item, (s for _,s in chunk)) if o is not None]
-        if dl.prebatched: yield from map(dl.do_batch, items)
-        elif items and not (dl.drop_last and len(items) < bs): yield dl.do_batch(items)
+    idxs,bs,first,nw,offs = list(dl._DataLoader__idxs),dl.bs or 1,getattr(dl, '_first_iter', 0),dl.num_workers,dl.offs
+    do_item,do_batch,prebatched,drop_last,seed = dl.do_item,dl.do_batch,dl.prebatched,dl.drop_last,dl._epoch_seed
+    for i in range(offs, -(-len(idxs)//bs), nw):
+        with _seeded(int(np.random.SeedSequence([seed, first+i]).generate_state(1)[0])):
+            items = [o for o in map(do_item, idxs[i*bs:(i+1)*bs]) if o is not None]
+        if prebatched: yield from map(do_batch, items)
+        elif items and not (drop_last and len(items) < bs): yield do_batch(items)
 
 class SeedBatches(Callback):
     "Make the item randomness of each training batch depend only on the epoch's order and the batch index"
