@@ -19,10 +19,10 @@ def _secs_per_batch(learn, every, background):
     return tt.secs/tt.n
 
 def run(quick=False, device=None, reps=None):
-    reps = reps or (1 if quick else 3)
+    reps = reps or (1 if quick else 5)
     n,size = (30, 'medium') if quick else (400, 'medium')
     variants = [('none', False), (None, False), (10, False), (10, True)] if quick else \
-               [('none', False), (None, False), (10, False), (50, False), (200, False), (10, True), (50, True), (200, True)]
+               [('none', False), (None, False), (10, False), (50, False), (200, False), (400, False), (10, True), (50, True), (200, True), (400, True)]
     learn = make_learner(n, bs=64, size=size, device=device)
     times = {}
     for r in range(reps):
@@ -34,7 +34,7 @@ def run(quick=False, device=None, reps=None):
               ['AutoResume', 'background', 'ms/batch', 'batches/s', 'slowdown', 'seconds between saves', 'target < 3%'],
               [f"{size} MLP ({n_params(learn.model):,} params, {mb(state_bytes(learn))} MB of state with Adam), bs 64, {n} batches an epoch, "
                f"in-memory data; training phase only (the end-of-epoch resume point is not timed); median of {reps} fits, variants interleaved",
-               "every_iter=None: no periodic resume points, only AutoResume's per-batch bookkeeping and SeedBatches (which it adds)"])
+               "every_iter=None: no periodic resume points, only AutoResume's per-batch bookkeeping (SeedBatches, which AutoResume adds only for DataLoaders with workers, is not in this loop)"])
     picked = None
     for v in variants:
         s = med(times[v])
