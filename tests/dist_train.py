@@ -13,6 +13,8 @@ p.add_argument('--n-train', type=int, default=7)       # batches of 15 in the wh
 p.add_argument('--every', type=int, default=0)         # AutoResume(every_iter=...); 0: no AutoResume
 p.add_argument('--kill-rank', type=int, default=-1)    # SIGKILL this rank ...
 p.add_argument('--kill-at', type=int, default=-1)      # ... after this training batch (train_iter)
+p.add_argument('--hang-rank', type=int, default=-1)    # SIGSTOP this rank (it hangs, it does not die) ...
+p.add_argument('--hang-at', type=int, default=-1)      # ... after this training batch (train_iter)
 p.add_argument('--stop-rank0-at', type=int, default=-1)  # rank 0 alone raises CancelFitException at the end of this epoch
 p.add_argument('--sleep', type=float, default=0.)      # seconds per training batch
 p.add_argument('--mark-at', type=int, default=-1)      # rank 0 writes OUT/marker after this training batch
@@ -50,6 +52,7 @@ class Test(Callback):
         if args.sleep: time.sleep(args.sleep)
         if rank == 0 and self.train_iter == args.mark_at: (out/'marker').touch()
         if rank == args.kill_rank and self.train_iter == args.kill_at: os.kill(os.getpid(), signal.SIGKILL)
+        if rank == args.hang_rank and self.train_iter == args.hang_at: os.kill(os.getpid(), signal.SIGSTOP)
     def after_epoch(self):
         if rank == 0 and self.epoch == args.stop_rank0_at: raise CancelFitException()
 

@@ -88,3 +88,18 @@ def test_sigterm_kill_relaunch(tmp_path, reference):
     assert res[0] == 0, why(res, tmp_path)
     assert 'AutoResume: continuing from' in logs(tmp_path, 0) and 'skipping' not in logs(tmp_path, 0, 'stderr')
     assert_same_run(reference[1], results(tmp_path))
+
+def test_hung_rank(tmp_path):
+    "A rank that hangs (SIGSTOP) rather than dies: rank 0 fails with a clear error within the process-group timeout"
+    secs = 5
+    p = start(torchrun(tmp_path, '--timeout', str(secs), '--hang-rank', '1', '--hang-at', '5', '--mark-at', '5', '--sleep', '0.2'))
+    try:
+        wait_for(tmp_path/'marker', p, 90)
+        t,err = time.monotonic(),''
+        while time.monotonic() - t < secs + 20 and 'DistributedTrainer: rank 0 of 2 could not' not in err:
+            time.sleep(0.2)
+            err = logs(tmp_path, 0, 'stderr')
+        assert 'DistributedTrainer: rank 0 of 2 could not' in err, err[-3000:]
+        print(f"rank 0 reported the hung rank {time.monotonic() - t:.1f} s after it stopped"); assert time.monotonic() - t < secs + 10
+    finally: finish(p, 1)
+    assert no_orphans(p)
