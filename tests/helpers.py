@@ -16,15 +16,7 @@ def test_env(env=None):
 
 def run(cmd, timeout, env=None, cwd=None):
     "Run `cmd` in its own process group, wait at most `timeout` seconds (killing the whole group then), return (rc, stdout, stderr)"
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=test_env(env), cwd=cwd,
-                         start_new_session=True)
-    try: out,err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(p)
-        out,err = p.communicate()
-        return -signal.SIGKILL, out, (err or '') + f'\n[helpers.run] killed after {timeout}s timeout'
-    finally: kill_group(p)  # leftover children (e.g. DataLoader workers) never outlive a test
-    return p.returncode, out, err
+    return finish(start(cmd, env=env, cwd=cwd), timeout)
 
 def start(cmd, env=None, cwd=None):
     "Start `cmd` in its own process group (finish it with `finish`)"
