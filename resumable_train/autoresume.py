@@ -6,7 +6,7 @@ Docs: https://resumable-train.github.io/resumable_train/autoresume.html.md"""
 
 # %% ../nbs/02_autoresume.ipynb #d52bcc89
 from __future__ import annotations
-import os, re, signal, threading, time, warnings
+import re, signal, threading, time, warnings
 from pathlib import Path
 import torch, torch.distributed as dist
 from fastcore.basics import store_attr, patch

@@ -10,9 +10,8 @@ import itertools, random, time, warnings
 from contextlib import contextmanager
 from functools import partial, wraps
 import numpy as np, torch, fastai
-from fastcore.basics import patch, store_attr, GetAttr
+from fastcore.basics import patch, GetAttr
 from fastcore.foundation import L
-from fastcore.meta import delegates
 from fastai.torch_core import get_model, distrib_barrier, rank_distrib
 from fastai.data.load import DataLoader
 from fastai.callback.core import Callback, CancelEpochException

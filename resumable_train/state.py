@@ -6,14 +6,13 @@ Docs: https://resumable-train.github.io/resumable_train/state.html.md"""
 
 # %% ../nbs/00_state.ipynb #f26101a2
 from __future__ import annotations
-import os, random, tempfile, time, zipfile, pickle
+import os, random, tempfile, zipfile, pickle
 from pathlib import Path
 import numpy as np, torch
-from fastcore.basics import patch, store_attr
+from fastcore.basics import patch
 from fastcore.foundation import L
 from fastai.torch_core import get_random_states, set_random_states, num_distrib
 from fastai.learner import Recorder
-from fastai.callback.core import Callback
 from fastai.callback.schedule import ParamScheduler
 from fastai.callback.tracker import TrackerCallback
 from fastai.callback.training import GradientAccumulation
