@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, DataLoader, Flatten, CrossEntropyLossFlat, accuracy, set_seed, Callback
-from .state import read_checkpoint, resume_record, CheckpointError
+from .state import read_checkpoint, resume_record, CheckpointError, _unpack
 
 # %% auto #0
 __all__ = ['digits_learner', 'weights_digest', 'checkpoint_info', 'main']
@@ -56,13 +56,12 @@ def _num(v): return v.item() if isinstance(v, torch.Tensor) else v
 
 def _metrics(rec):
     rs = (rec.get('callbacks') or {}).get('recorder') or {}
-    vals,lrs = rs.get('values') or [],rs.get('lrs') or []
-    losses = rs.get('losses') if rs.get('losses') is not None else []  # one stacked tensor (or a list, in older files)
+    vals,lrs,losses = rs.get('values') or [],_unpack(rs.get('lrs') or []),_unpack(rs.get('losses') or [])
     row = [_num(v) for v in vals[-1]] if vals else []
     names = list(rec.get('metric_names') or [])[:len(row)]
     names += ['train_loss', 'valid_loss', *[f'metric_{i}' for i in range(len(row))]][len(names):len(row)]
     return dict(epoch=len(vals)-1 if vals else None, values=dict(zip(names, row)),
-                loss=_num(losses[-1]) if len(losses) else None, lr=_num(lrs[-1]) if lrs else None)
+                loss=_num(losses[-1]) if losses else None, lr=_num(lrs[-1]) if lrs else None)
 
 def checkpoint_info(file)->dict:
     "What the checkpoint `file` holds, as plain values; raises `CheckpointError` if it is damaged or not a checkpoint"

@@ -87,18 +87,31 @@ def _is_plain(v):
 def _metric_state(m): return m.state_dict() if has_state(m) else {k:v for k,v in vars(m).items() if _is_plain(v)}
 def _set_metric_state(m, sd): m.load_state_dict(sd) if has_state(m) else _set_vars(m, sd)
 
+def _pack(xs):
+    "A per-batch history as one tensor (tensors stacked; numbers as float64, which holds python floats exactly), else as it is"
+    if xs and all(isinstance(x, torch.Tensor) and x.shape == xs[0].shape for x in xs): return {'stack': torch.stack(xs)}
+    if xs and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs): return {'float64': torch.tensor(xs, dtype=torch.float64)}
+    return xs
+
+def _unpack(o):
+    "The list `_pack` packed"
+    if isinstance(o, dict) and 'stack' in o: return list(o['stack'].unbind())
+    if isinstance(o, dict) and 'float64' in o: return o['float64'].tolist()
+    return list(o)
+
 @patch
 def state_dict(self:Recorder):
     "History, smoothed loss and running training metrics"
     sd = _vars_state(self, ('lrs','iters','losses','values'))
-    if sd.get('losses'): sd['losses'] = torch.stack(sd['losses'])  # one tensor, not one file record per batch
+    for k in ('lrs','losses'):  # one record per run, not one per batch: saves stay cheap in long runs
+        if k in sd: sd[k] = _pack(sd[k])
     return dict(sd, metrics=[_metric_state(m) for m in self._train_mets])
 
 @patch
 def load_state_dict(self:Recorder, sd):
     "Restore the state saved by `Recorder.state_dict`"
-    _set_vars(self, {k:list(sd[k]) for k in ('lrs','iters','values')})
-    self.losses = list(sd['losses'].unbind()) if isinstance(sd['losses'], torch.Tensor) else list(sd['losses'])
+    _set_vars(self, {k:list(sd[k]) for k in ('iters','values')})
+    self.lrs,self.losses = _unpack(sd['lrs']),_unpack(sd['losses'])
     for m,s in zip(self._train_mets, sd['metrics']): _set_metric_state(m, s)
     if self.smooth_loss.count: self.learn.smooth_loss = self.smooth_loss.value
 
@@ -112,9 +125,9 @@ def state_dict(self:TrackerCallback):
 def load_state_dict(self:TrackerCallback, sd): _set_vars(self, sd)
 
 @patch
-def state_dict(self:ParamScheduler): return {'hps': self.hps}
+def state_dict(self:ParamScheduler): return {'hps': {k:_pack(v) for k,v in self.hps.items()}}
 @patch
-def load_state_dict(self:ParamScheduler, sd): self.hps = {k:list(v) for k,v in sd['hps'].items()}
+def load_state_dict(self:ParamScheduler, sd): self.hps = {k:_unpack(v) for k,v in sd['hps'].items()}
 
 @patch
 def state_dict(self:GradientAccumulation): return {'count': self.count}
@@ -157,7 +170,7 @@ def load_callback_states(learn, sds:dict):
                          "add them, as in the run that saved it, or load the file with `with_iter=False` to start a fresh fit")
     for n,sd in sds.items(): cbs[n].load_state_dict(sd)
 
-# %% ../nbs/00_state.ipynb #4fe5965d
+# %% ../nbs/00_state.ipynb #78e8d2b8
 FORMAT_VERSION = 1
 
 def make_checkpoint(model_sd:dict, opt_sd:dict, resume:dict): # `resume` is a resume point, or a record of a finished run
@@ -186,7 +199,7 @@ def write_checkpoint(obj, file, durable:bool=True, pickle_protocol:int=2): # fsy
     if durable: _fsync_dir(file.parent)
     return file
 
-# %% ../nbs/00_state.ipynb #9af6a779
+# %% ../nbs/00_state.ipynb #1b71ade7
 class CheckpointError(ValueError):
     "A file that cannot be loaded as a checkpoint; the message names the file and what is wrong"
 
@@ -228,7 +241,7 @@ def resume_record(state:dict):
     opt = state.get('opt') if set(state) == {'model','opt'} else None
     return opt.get('resume') if isinstance(opt, dict) else None
 
-# %% ../nbs/00_state.ipynb #70beef6c
+# %% ../nbs/00_state.ipynb #13b37f49
 def run_setup(learn, n_epoch:int)->dict:
     "What a resume point must agree on with the run that continues it"
     dl = learn.dls.train
