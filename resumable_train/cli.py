@@ -6,7 +6,7 @@ Docs: https://resumable-train.github.io/resumable_train/cli.html.md"""
 
 # %% ../nbs/04_cli.ipynb #664fdeba
 from __future__ import annotations
-import argparse, datetime, hashlib, json, sys, time, zipfile
+import argparse, datetime, hashlib, json, sys, time
 from pathlib import Path
 import torch
 from torch import nn
@@ -44,14 +44,6 @@ def weights_digest(model:nn.Module)->str:
     return h.hexdigest()[:12]
 
 # %% ../nbs/04_cli.ipynb #aa39ebe1
-def _damage(file):
-    "Why `file` fails its checksums, or `None`"
-    if not zipfile.is_zipfile(file): return None
-    try:
-        with zipfile.ZipFile(file) as z: bad = z.testzip()
-    except Exception as e: return f"is corrupt ({e})"
-    return f"is corrupt (record {bad} fails its checksum)" if bad else None
-
 def _num(v): return v.item() if isinstance(v, torch.Tensor) else v
 
 def _metrics(rec):
@@ -67,7 +59,6 @@ def checkpoint_info(file)->dict:
     "What the checkpoint `file` holds, as plain values; raises `CheckpointError` if it is damaged or not a checkpoint"
     file = Path(file)
     state = read_checkpoint(file)
-    if (why := _damage(file)) is not None: raise CheckpointError(f"{file} {why}")
     st = file.stat()
     weights = state['model'] if set(state) == {'model','opt'} else state
     tensors = [v for v in weights.values() if isinstance(v, torch.Tensor)] if isinstance(weights, dict) else []

@@ -203,14 +203,18 @@ def write_checkpoint(obj, file, durable:bool=True, pickle_protocol:int=2): # fsy
 class CheckpointError(ValueError):
     "A file that cannot be loaded as a checkpoint; the message names the file and what is wrong"
 
+def _damage(file):
+    "Why the zip records of `file` fail their checksums (`torch.load` does not check them), or `None`"
+    if not zipfile.is_zipfile(file): return None
+    try:
+        with zipfile.ZipFile(file) as z: bad = z.testzip()
+    except Exception as e: return f"is corrupt ({e})"
+    return f"is corrupt (record {bad} fails its checksum)" if bad else None
+
 def _why_unreadable(file, e):
     size = Path(file).stat().st_size
     if size == 0: return "is empty"
-    if zipfile.is_zipfile(file):
-        try:
-            with zipfile.ZipFile(file) as z: bad = z.testzip()
-        except Exception as ze: return f"is corrupt ({ze})"
-        if bad: return f"is corrupt (record {bad} fails its checksum)"
+    if (why := _damage(file)) is not None: return why
     with open(file, 'rb') as f: head = f.read(4)
     pickled = head[:2] == b'PK' or head[:1] == b'\x80'  # a torch zip file, or a bare pickle
     if pickled and isinstance(e, pickle.UnpicklingError) and 'unsupported global' in str(e).lower():
@@ -227,9 +231,7 @@ def read_checkpoint(file, map_location='cpu')->dict:
     try:
         with torch.serialization.safe_globals(_stock_safe): state = torch.load(file, map_location=map_location, weights_only=True)
     except Exception as e: raise CheckpointError(f"{file} {_why_unreadable(file, e)}") from e
-    if zipfile.is_zipfile(file):  # torch.load does not check the CRCs of the tensor records: damaged weights would load silently
-        with zipfile.ZipFile(file) as z: bad = z.testzip()
-        if bad: raise CheckpointError(f"{file} is corrupt (record {bad} fails its checksum)")
+    if (why := _damage(file)) is not None: raise CheckpointError(f"{file} {why}")  # damaged weights would otherwise load silently
     if not isinstance(state, dict) or not state: raise CheckpointError(f"{file} holds a {type(state).__name__}, not model weights")
     rp = resume_record(state)
     if rp is not None and rp.get('version', 0) > FORMAT_VERSION:
