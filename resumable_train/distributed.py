@@ -19,6 +19,7 @@ from fastai.callback.progress import ProgressCallback, ShowGraphCallback, CSVLog
 from .state import *
 from .state import _metric_state, _set_metric_state
 from .learner import *
+from .autoresume import agree
 
 # %% auto #0
 __all__ = ['init_distributed', 'DistributedTrainer']
@@ -118,11 +119,10 @@ class DistributedTrainer(Callback):
 
     def _agree(self, stop:bool)->bool:
         "Has any rank asked to stop?"
-        t = torch.tensor([int(stop)], device=self.dev)
         start = time.perf_counter()
-        self._collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX), 'agree on whether to stop')
+        res = self._collective(lambda: agree(stop), 'agree on whether to stop')
         self.gate_secs += time.perf_counter() - start
-        return bool(t.item())
+        return bool(res)
 
 # %% ../nbs/03_distributed.ipynb #f36b212f
 @patch
