@@ -15,7 +15,7 @@ from fastai.torch_core import rank_distrib
 from fastai.callback.core import Callback, CancelFitException
 from .state import *
 from .learner import *
-from .learner import _position
+from .learner import _position, _restore_streams
 
 # %% auto #0
 __all__ = ['list_checkpoints', 'newest_valid', 'agree', 'AutoResume']
@@ -154,9 +154,7 @@ def _decide(self:AutoResume):
     try: self.learn.load(file.absolute().with_suffix(''), with_iter=rec['epoch'] is not None)
     except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
     if rec['epoch'] is None:
-        load_callback_states(self.learn, rec['callbacks'])
-        for dl,s in zip(self.dls.loaders, rec['dl_rngs']): set_dl_rng_state(dl, s)
-        set_rng_state(rec['rng'])
+        _restore_streams(self.learn, rec)
         self.skipped = True
         raise CancelFitException()
 

@@ -44,6 +44,17 @@ def all_batches(self:Learner):
     for o in enumerate(self.dl, getattr(self.dl, '_first_iter', 0)): self.one_batch(*o)
 
 # %% ../nbs/01_learner.ipynb #ba76844a
+def _patch_attrs(o, **attrs)->dict:
+    "Set instance attributes of `o`; returns what `_unpatch_attrs` needs to put `o` back as it was"
+    old = {n: o.__dict__.get(n) for n in attrs}
+    for n,v in attrs.items(): setattr(o, n, v)
+    return old
+
+def _unpatch_attrs(o, old:dict):
+    for n,v in old.items():
+        if v is None: o.__dict__.pop(n, None)
+        else: setattr(o, n, v)
+
 def _drop_first(get_idxs, n):
     idxs = get_idxs()
     return idxs[n:] if isinstance(idxs, list) else itertools.islice(idxs, n, None)
@@ -54,18 +65,12 @@ class _FastForward(GetAttr):
     def __init__(self, dl, first_iter:int, torch_state=None): self.dl,self._first_iter,self.torch_state = dl,first_iter,torch_state
     def __len__(self): return len(self.dl)
     def __iter__(self):
-        dl,fake = self.dl,self.dl.fake_l
-        old = dl.__dict__.get('get_idxs'),fake.__dict__.get('generator')
-        dl.get_idxs,dl._first_iter = partial(_drop_first, dl.get_idxs, self._first_iter*(dl.bs or 1)),self._first_iter
-        if self.torch_state is not None:
-            fake.generator = torch.Generator()
-            fake.generator.set_state(self.torch_state)
+        dl,gen = self.dl,None
+        if self.torch_state is not None: (gen := torch.Generator()).set_state(self.torch_state)
+        old_dl = _patch_attrs(dl, get_idxs=partial(_drop_first, dl.get_idxs, self._first_iter*(dl.bs or 1)), _first_iter=self._first_iter)
+        old_fake = _patch_attrs(dl.fake_l, generator=gen)
         try: yield from dl
-        finally:
-            for o,n,v in ((dl,'get_idxs',old[0]),(fake,'generator',old[1])):
-                if v is None: o.__dict__.pop(n, None)
-                else: setattr(o, n, v)
-            del dl._first_iter
+        finally: _unpatch_attrs(dl, old_dl); _unpatch_attrs(dl.fake_l, old_fake)
 
 # %% ../nbs/01_learner.ipynb #a8fc35ef
 def _seeded_idxs(dl, get_idxs, rng_dl):
@@ -98,19 +103,22 @@ class SeedBatches(Callback):
     def before_train(self):
         self.after_train()  # a training phase that an exception ended left its patches
         self.dl_ = dl = self.learn.dl
-        self.old = {n: dl.__dict__.get(n) for n in ('get_idxs','create_batches')}
-        dl.get_idxs = partial(_seeded_idxs, dl, dl.get_idxs, self.dls.train)
-        dl.create_batches = partial(_seeded_batches, dl)
+        self.old = _patch_attrs(dl, get_idxs=partial(_seeded_idxs, dl, dl.get_idxs, self.dls.train), create_batches=partial(_seeded_batches, dl))
     def after_train(self):
-        for n,v in getattr(self, 'old', {}).items():
-            if v is None: self.dl_.__dict__.pop(n, None)
-            else: setattr(self.dl_, n, v)
+        if getattr(self, 'old', None): _unpatch_attrs(self.dl_, self.old)
         self.old = {}
     after_fit = after_train
 
 # %% ../nbs/01_learner.ipynb #5f9cde89
 def _grad_state(p): return None if p.grad is None else p.grad if p.grad.any() else 0
 def _set_grad(p, g): p.grad = None if g is None else torch.zeros_like(p) if isinstance(g, int) else g.to(p.device)
+
+def _restore_streams(learn, rec, dls=True):
+    "Give `learn`'s callbacks their states and put the random streams (and, with `dls`, the DataLoaders') back as `rec` holds them"
+    load_callback_states(learn, rec['callbacks'])
+    if dls:
+        for dl,s in zip(learn.dls.loaders, rec['dl_rngs']): set_dl_rng_state(dl, s)
+    set_rng_state(rec['rng'])
 
 def _position(learn):
     ev = getattr(learn, '_event', None)
@@ -155,17 +163,14 @@ class SkipToIter(Callback):
             self.start_epoch,self.start_iter = rp['epoch'],rp['iter']
             for k in rp['hypers'][0]: self.opt.set_hyper(k, [h[k] for h in rp['hypers']])
             for p,g in zip(self.model.parameters(), rp['grads']): _set_grad(p, g)
-            for dl,s in zip(self.dls.loaders, rp['dl_rngs']): set_dl_rng_state(dl, s)
-            if not self.start_iter: self._restore_now()
+            if not self.start_iter: _restore_streams(self.learn, rp)
+            else:
+                for dl,s in zip(self.dls.loaders, rp['dl_rngs']): set_dl_rng_state(dl, s)
         self.learn._start_epoch,self.learn.epoch = self.start_epoch,min(self.start_epoch, self.n_epoch-1)  # resumed at its very end, a run ends as it would have
         if rp is not None: self.learn.pct_train = rp['pct_train']
         mbar = getattr(getattr(self.learn, 'progress', None), 'mbar', None)
         if mbar is not None and self.start_epoch: mbar.update(0)  # fastprogress needs a start before it can show epoch `start_epoch`
         self.learn.train_iter = rp['train_iter'] if rp else self.start_epoch*len(self.dls.train) + self.start_iter
-
-    def _restore_now(self):
-        load_callback_states(self.learn, self.rp['callbacks'])
-        set_rng_state(self.rp['rng'])
 
     def _replayed_pct(self):
         pct,step = self.pct_train,1./(self.n_iter_train*self.n_epoch)
@@ -184,7 +189,7 @@ class SkipToIter(Callback):
         else:
             self.epoch_rng = rp['epoch_rng']
             set_dl_rng_state(self.dls.train, self.epoch_rng['dl'])
-            self._restore_now()
+            _restore_streams(self.learn, rp, dls=False)
         self.learn.dl = _FastForward(self.dl, self.start_iter, self.epoch_rng['torch'] if rp else None)
         self.start_iter = 0
 
