@@ -1,0 +1,114 @@
+"""Real child processes without paying for `import fastai` each time.
+
+`Forker` imports fastai and `resumable_train` once in the test process, then forks one child per run. A child is a real process:
+it has its own pid and session (`os.setsid`), it can be killed with SIGKILL or stopped with SIGTERM, its DataLoader workers are its
+own children, and nothing it does reaches the test process. It runs a script as `python script args...` would (`runpy`, `sys.argv`,
+`__main__`), with the environment and working directory given. The object it returns behaves like `subprocess.Popen` for what the
+tests use: `pid`, `stdout` (text lines, stderr merged), `poll`, `wait`, `communicate`, `send_signal`, `returncode` (negative for a
+signal, as Popen reports it).
+
+Fork only from a process that has not trained anything (no OpenMP threads started): the test process only imports.
+"""
+import io, os, runpy, signal, subprocess, sys, threading, time, traceback
+
+class ForkedChild:
+    "A forked child running a script; the subset of `subprocess.Popen` the tests use"
+    def __init__(self, pid, fd):
+        self.pid,self.returncode = pid,None
+        self.stdout = io.TextIOWrapper(io.FileIO(fd, 'r'), encoding='utf-8', errors='replace')
+
+    def _status(self, st):
+        self.returncode = -os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st)
+        return self.returncode
+
+    def poll(self):
+        if self.returncode is None:
+            pid,st = os.waitpid(self.pid, os.WNOHANG)
+            if pid: self._status(st)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline: raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.returncode is None: os.kill(self.pid, sig)
+
+    def kill_group(self):
+        "SIGKILL the child's whole session (its DataLoader workers too)"
+        try: os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError): pass
+
+    def communicate(self, timeout=None):
+        "Read all output and wait, at most `timeout` seconds; returns `(out, '')` (stderr is merged into stdout)"
+        out,done = [],threading.Event()
+        def pump():
+            try: out.append(self.stdout.read())
+            finally: done.set()
+        threading.Thread(target=pump, daemon=True).start()
+        try: self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_group()
+            self.wait(10)
+            done.wait(5)
+            raise
+        self.kill_group()  # workers the child left behind
+        done.wait(10)
+        return ''.join(out), ''
+
+def _child(script, args, env, cwd, w):
+    "Run in the forked child: become a new session, send output to `w`, run `script` as `__main__`, never return"
+    code = 1
+    try:
+        os.setsid()
+        os.dup2(w, 1); os.dup2(w, 2); os.close(w)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, 'w', closefd=False), encoding='utf-8', line_buffering=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, 'w', closefd=False), encoding='utf-8', line_buffering=True)
+        sys.stdin = open(os.devnull)
+        for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP): signal.signal(s, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.update(env or {})
+        if cwd: os.chdir(cwd)
+        sys.argv = [str(script), *map(str, args)]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        try:
+            runpy.run_path(str(script), run_name='__main__')
+            code = 0
+        except SystemExit as e: code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            sys.stdout.flush(); sys.stderr.flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)  # as python itself reports an uncaught Ctrl-C: killed by SIGINT
+        except BaseException: traceback.print_exc()
+    finally:
+        try: sys.stdout.flush(); sys.stderr.flush()
+        except BaseException: pass
+        os._exit(code)
+
+class Forker:
+    "Forks children that run scripts, from a process that imported `modules` once"
+    def __init__(self, modules=('fastai.basics', 'fastai.callback.all', 'resumable_train')):
+        import importlib
+        for m in modules: importlib.import_module(m)
+
+    def start(self, script, *args, env=None, cwd=None)->ForkedChild:
+        "Fork a child running `script` with `args`; like `Popen([python, script, *args], start_new_session=True)`"
+        r,w = os.pipe()
+        sys.stdout.flush(); sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            _child(script, args, env, cwd, w)
+        os.close(w)
+        return ForkedChild(pid, r)
+
+    def run(self, script, *args, timeout, env=None, cwd=None):
+        "Run `script` to its end (killed after `timeout` seconds); returns `(returncode, output)`"
+        p = self.start(script, *args, env=env, cwd=cwd)
+        try: out,_ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired: return -signal.SIGKILL, f'[forked] killed after {timeout}s timeout'
+        return p.returncode, out
