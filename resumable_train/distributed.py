@@ -16,6 +16,7 @@ from fastai.data.load import DataLoader, _FakeLoader
 from fastai.learner import Learner
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.progress import ProgressCallback, ShowGraphCallback, CSVLogger
+from .files import *
 from .state import *
 from .state import _metric_state, _set_metric_state
 from .learner import *

@@ -18,6 +18,7 @@ from fastai.callback.core import Callback, CancelEpochException
 from fastai.learner import Learner, save_model
 from fastai.callback.schedule import ParamScheduler  # noqa: F401 (patches Learner.fit_one_cycle & co.)
 from fastcore.xtras import join_path_file
+from .files import *
 from .state import *
 
 # %% auto #0
