@@ -6,7 +6,7 @@ Docs: https://resumable-train.github.io/resumable_train/autoresume.html.md"""
 
 # %% ../nbs/02_autoresume.ipynb #d52bcc89
 from __future__ import annotations
-import re, signal, threading, time, warnings
+import io, os, re, signal, threading, time, warnings
 from pathlib import Path
 import torch, torch.distributed as dist
 from fastcore.basics import store_attr, patch
@@ -14,12 +14,13 @@ from fastcore.foundation import L
 from fastai.torch_core import rank_distrib
 from fastai.callback.core import Callback, CancelFitException
 from .files import *
+from .files import _stock_safe
 from .state import *
 from .learner import *
 from .learner import _position, _restore_streams
 
 # %% auto #0
-__all__ = ['list_checkpoints', 'newest_valid', 'agree', 'AutoResume']
+__all__ = ['list_checkpoints', 'newest_valid', 'agree', 'share_checkpoint', 'AutoResume']
 
 # %% ../nbs/02_autoresume.ipynb #4e9f2df9
 def _ckpt_num(p, fname):
@@ -91,6 +92,24 @@ def agree(x:int)->int:
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
+# %% ../nbs/02_autoresume.ipynb #e1a57c02
+def _group_device(): return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
+
+def share_checkpoint(state:dict|None, # the checkpoint on rank `src`; ignored on the other ranks
+                     src:int=0, # the rank that holds it
+                    )->dict:
+    "Rank `src`'s checkpoint on every rank, sent over the process group as the bytes of its file"
+    if not (dist.is_available() and dist.is_initialized()): return state
+    mine,dev = dist.get_rank() == src,_group_device()
+    buf = io.BytesIO()
+    if mine: torch.save(state, buf)
+    n = torch.tensor([buf.getbuffer().nbytes], dtype=torch.int64, device=dev)
+    dist.broadcast(n, src)
+    data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8).to(dev) if mine else torch.empty(int(n), dtype=torch.uint8, device=dev)
+    dist.broadcast(data, src)
+    if mine: return state
+    with torch.serialization.safe_globals(_stock_safe): return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
+
 # %% ../nbs/02_autoresume.ipynb #84f33688
 _SIGNALS = ('SIGTERM', 'SIGINT', 'SIGUSR1')
 
@@ -104,8 +123,9 @@ class AutoResume(Callback):
                  background:bool=False, # write from a background thread
                  signals=_SIGNALS, # signals that save a resume point and stop
                  verbose:bool=True, # say where training resumed
+                 elastic:bool=False, # continue a resume point written with another number of processes (see `DistributedTrainer`)
                 ):
-        store_attr('fname,every_iter,every_secs,keep,background,signals,verbose')
+        store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,elastic')
         self.fit_index,self.fits,self.found,self.writer,self.buffers = -1,[],None,_Writer(background),None
 
     @property
@@ -123,36 +143,55 @@ def _different_run(folder, fname, diff):
     return CheckpointError(f"{folder} holds resume points of a different run ({diff}). To start fresh, delete "
                            f"{folder}/{fname}-*.pth or give AutoResume another fname")
 
+def _local_newest(folder, fname):
+    "This node's newest valid resume point, as `(file, checkpoint)`, after removing the writes a kill interrupted"
+    for p in Path(folder).glob(f'.{fname}-*.tmp'): p.unlink(missing_ok=True)
+    return newest_valid(folder, fname)
+
+def _where(file, state, fname)->list:
+    "Where a resume point is in the run, as numbers that order resume points of one run (and the file's number)"
+    if file is None: return [0, 0, 0, 0, 0]
+    rec = resume_record(state)
+    return [1, rec.get('fit_index') or 0, rec.get('train_iter') or 0, rec.get('epoch') is None, _ckpt_num(file, fname)]
+
 def _chosen(folder, fname):
-    "The newest valid resume point and its record, as chosen by rank 0 and read by every rank"
-    file = None
-    if not rank_distrib():
-        for p in Path(folder).glob(f'.{fname}-*.tmp'): p.unlink(missing_ok=True)  # writes that a kill interrupted
-        file = newest_valid(folder, fname)[0]
-    if dist.is_available() and dist.is_initialized():
-        o = [None if file is None else str(file)]
-        dist.broadcast_object_list(o, src=0)
-        file = None if o[0] is None else Path(o[0])
-    return (None, None) if file is None else (file, resume_record(read_checkpoint(file)))
+    "The newest valid resume point as `(file, checkpoint)`; under `torch.distributed`, the newest any node holds, sent to every rank"
+    if not (dist.is_available() and dist.is_initialized()): return _local_newest(folder, fname)
+    reads = int(os.environ.get('LOCAL_RANK', dist.get_rank())) == 0   # one reader per node
+    file,state = _local_newest(folder, fname) if reads else (None, None)
+    mine = torch.tensor(_where(file, state, fname), dtype=torch.int64, device=_group_device())
+    wheres = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(wheres, mine)
+    wheres = [w.tolist() for w in wheres]
+    src = max(range(len(wheres)), key=lambda r: (wheres[r][:4], -r))
+    if not wheres[src][0]: return None, None
+    state = share_checkpoint(state if dist.get_rank() == src else None, src)
+    return Path(folder)/f'{fname}-{wheres[src][4]:04d}.pth', state
+
+_WORLD_KEYS = ('n_iter', 'n_items', 'world_size')   # what another number of processes changes in `run_setup`
 
 @patch
 def _decide(self:AutoResume):
     "Skip, finish or resume this fit call, depending on the newest valid resume point"
     if self.found is None:
-        self.found = _chosen(self.folder, self.fname)
+        file,state = _chosen(self.folder, self.fname)
+        self.found = file,(None if state is None else resume_record(state)),state
         self.next_num = max([_ckpt_num(p, self.fname) for p in list_checkpoints(self.folder, self.fname)] + [0]) + 1
-    file,rec = self.found
+    file,rec,state = self.found
     if file is None: return
     i = self.fit_index
     if rec.get('fit_index') is None: raise _different_run(self.folder, self.fname, f"{file.name} was not written by AutoResume")
     fits = rec.get('fits', [])
     now = run_setup(self.learn, self.n_epoch)
-    if i < len(fits) and fits[i] != now:
-        raise _different_run(self.folder, self.fname, '; '.join(f"fit call {i} {k}: saved {fits[i].get(k)}, now {v}" for k,v in now.items() if fits[i].get(k) != v))
+    diff = [] if i >= len(fits) else [k for k,v in now.items() if fits[i].get(k) != v and not (self.elastic and k in _WORLD_KEYS)]
+    if diff:
+        other = '; it ran on another number of processes: AutoResume(elastic=True) continues it on this one' if 'world_size' in diff else ''
+        raise _different_run(self.folder, self.fname, '; '.join(f"fit call {i} {k}: saved {fits[i].get(k)}, now {now[k]}" for k in diff) + other)
     if rec['fit_index'] > i: raise CancelFitException()
     if rec['fit_index'] < i: return
     self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
-    try: self.learn.load(file.absolute().with_suffix(''), with_iter=rec['epoch'] is not None)
+    self.found = file,rec,None   # the checkpoint is loaded once; only its record is needed after
+    try: self.learn.load(file.absolute().with_suffix(''), with_iter=rec['epoch'] is not None, state=state, elastic=self.elastic)
     except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
     if rec['epoch'] is None:
         _restore_streams(self.learn, rec)

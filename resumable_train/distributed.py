@@ -8,9 +8,10 @@ Docs: https://resumable-train.github.io/resumable_train/distributed.html.md"""
 from __future__ import annotations
 import os, time, datetime, contextlib
 from functools import wraps
-import torch, torch.distributed as dist
+import numpy as np, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import GetAttr, patch
+from fastcore.xtras import join_path_file
 from fastai.torch_core import to_detach, rank_distrib, noop
 from fastai.data.load import DataLoader, _FakeLoader
 from fastai.learner import Learner
@@ -20,7 +21,8 @@ from .files import *
 from .state import *
 from .state import _metric_state, _set_metric_state
 from .learner import *
-from .autoresume import agree
+from .learner import _position, _seeded
+from .autoresume import agree, share_checkpoint
 
 # %% auto #0
 __all__ = ['init_distributed', 'DistributedTrainer']
@@ -41,13 +43,16 @@ def init_distributed(timeout:float=600, # seconds a rank waits for the others in
 
 # %% ../nbs/03_distributed.ipynb #ecc87386
 class _ShardDL(DataLoader):
-    "This rank's share of `dl`: every `world_size`-th index of `dl`'s order, padded so that every rank gets as many"
+    "This rank's share of `dl`: every `world_size`-th index of `dl`'s order from position `offset` on, padded so that every rank gets as many"
     _default = 'dl'
-    def __init__(self, dl, rank:int, world_size:int):
+    def __init__(self, dl, rank:int, world_size:int,
+                 offset:int=0, # samples of the epoch's order already trained (by a run on another number of processes)
+                 first:int=0, # the batch number the first batch of the share gets (`SkipToIter` starts there)
+                ):
         if dl.n is None: raise ValueError("DistributedTrainer can only shard DataLoaders of known length")
-        self.dl,self.rank,self.world_size = dl,rank,world_size
+        self.dl,self.rank,self.world_size,self.offset,self.first = dl,rank,world_size,offset,first
         self.bs,self.drop_last,self.shuffle,self.indexed = dl.bs,dl.drop_last,dl.shuffle,dl.indexed
-        self.n,self.num_workers,self.offs = -(-dl.n//world_size),1,0
+        self.n,self.num_workers,self.offs = first*(dl.bs or 1) + -(-(dl.n-offset)//world_size),1,0
         f = dl.fake_l
         self.fake_l = _FakeLoader(self, f.pin_memory, f.num_workers, f.timeout, persistent_workers=f.persistent_workers,
                                   pin_memory_device=f.pin_memory_device)
@@ -60,10 +65,10 @@ class _ShardDL(DataLoader):
     def device(self, d): self.dl.device = d
 
     def get_idxs(self):
-        idxs = list(self.dl.get_idxs())
+        idxs = list(self.dl.get_idxs())[self.offset:]
         pad = -len(idxs) % self.world_size
         if pad: idxs += (idxs*pad)[:pad]
-        return idxs[self.rank::self.world_size]
+        return [None]*(self.first*(self.bs or 1)) + idxs[self.rank::self.world_size]   # placeholders that `SkipToIter` drops unread
 
     def after_iter(self):
         self.dl.after_iter()
@@ -106,7 +111,7 @@ class DistributedTrainer(Callback):
         self.timeout,self.rank0_cbs,self.ddp_kwargs = timeout,tuple(rank0_cbs),ddp_kwargs
         self.active = init_distributed(timeout)
         self.rank,self.world_size = (dist.get_rank(),dist.get_world_size()) if self.active else (0,1)
-        self.fitting,self.pending,self.gate_secs = False,None,0.
+        self.fitting,self.pending,self.gate_secs,self.rest,self.elastic = False,None,0.,None,False
 
     def _collective(self, f, what:str):
         "Run the collective call `f`, turning a failure into an error that says what happened"
@@ -117,6 +122,11 @@ class DistributedTrainer(Callback):
                     f"batch {getattr(self.learn, 'iter', 0)}): another rank has died, or has not answered within the {self.timeout:g}s timeout. "
                     "Run the same command again to continue from the last resume point.") from e
             raise
+
+    def _data(self):
+        "The training DataLoader this callback shards"
+        dl = self.learn.dls.train
+        return dl.dl if isinstance(dl, _ShardDL) else dl
 
     def _agree(self, stop:bool)->bool:
         "Has any rank asked to stop?"
@@ -209,33 +219,86 @@ def after_validate(self:DistributedTrainer):
 # %% ../nbs/03_distributed.ipynb #1749b241
 def _world_error(file, saved, now):
     return CheckpointError(f"{file} holds a resume point of a run on {saved} process(es); this run has {now}. Another world size would not "
-        f"continue the same run (other shards, batch positions and random streams): relaunch with {saved} process(es) "
-        "(torchrun --nproc_per_node ...), or load it with with_iter=False to start a new run from its weights")
+        f"continue the same run bit for bit (other shards, batch positions and random streams): relaunch with {saved} process(es) "
+        f"(torchrun --nproc_per_node ...); or continue it on {now} with elastic=True (AutoResume(elastic=True), learn.load(..., elastic=True)), "
+        "which trains the rest of the epoch's samples in other batches; or load it with with_iter=False to start a new run from its weights")
+
+@patch
+def _epoch_position(self:DistributedTrainer)->int|None:
+    "How many samples of this epoch's order all ranks together have trained (`None` at the end of `fit`)"
+    pos = _position(self.learn)
+    if pos is None: return None
+    ep,it = pos
+    if not it: return 0
+    dl,r = self._data(),self.rest
+    offset,first = (r['offset'],r['first']) if r is not None and r['epoch'] == ep else (0,0)
+    return offset + min((it-first)*(dl.bs or 1)*self.world_size, dl.n-offset)
 
 @patch
 def state_dict(self:DistributedTrainer):
-    "The world size and every rank's random streams (complete on rank 0, which writes the file)"
-    if not self.active: return {'world_size': 1}
+    "World size, position in the epoch's sample order, and every rank's random streams (complete on rank 0, which writes the file)"
     skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
     er = getattr(skip, 'epoch_rng', None)
     mine = to_plain(dict(rng=rng_state(), epoch_torch=er['torch'] if er else None), copy=True)
-    ranks = None if self.rank else [None]*self.world_size
-    self._collective(lambda: dist.gather_object(mine, ranks, dst=0), 'send its random state to rank 0')
-    return {'world_size': self.world_size, 'ranks': ranks}
+    ranks = [mine]
+    if self.active:
+        ranks = None if self.rank else [None]*self.world_size
+        self._collective(lambda: dist.gather_object(mine, ranks, dst=0), 'send its random state to rank 0')
+    dl = self._data()
+    return dict(world_size=self.world_size, n=dl.n, bs=dl.bs, position=self._epoch_position(), rest=self.rest, ranks=ranks)
+
+def _rank_streams(sd, rank):
+    "This rank's saved random streams; for a rank the saved run did not have, streams seeded by rank 0's and the rank's number"
+    if rank < len(sd['ranks']): return sd['ranks'][rank]
+    seeds = np.random.SeedSequence([*sd['ranks'][0]['rng']['random_state'][1].tolist(), rank]).generate_state(2)
+    with _seeded(int(seeds[0])): rng = rng_state()
+    return dict(rng=rng, epoch_torch=torch.Generator().manual_seed(int(seeds[1])).get_state())
 
 @patch
 def load_state_dict(self:DistributedTrainer, sd):
     "Check the world size; restore this rank's random streams"
-    if sd['world_size'] != self.world_size: raise _world_error('The resume point', sd['world_size'], self.world_size)
+    if sd['world_size'] != self.world_size and not self.elastic: raise _world_error('The resume point', sd['world_size'], self.world_size)
     if not self.active: return
-    mine = sd['ranks'][self.rank]
+    mine = _rank_streams(sd, self.rank)
     self.pending = mine['rng']
     skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
     if getattr(self.learn, '_event', None) == 'before_train' and skip.epoch_rng is not None and mine['epoch_torch'] is not None:
         skip.epoch_rng = dict(skip.epoch_rng, torch=mine['epoch_torch'])
 
+# %% ../nbs/03_distributed.ipynb #e1a57c20
+@patch
+def before_train(self:DistributedTrainer):
+    "In the epoch a resume on another world size starts inside, train the rest of the epoch's order, shared among this run's ranks"
+    r = self.rest
+    if r is None or r['epoch'] != self.epoch: return
+    self.learn.dl = _ShardDL(self._data(), self.rank, self.world_size, offset=r['offset'], first=r['first'])
+
+@patch
+def _rest_pct(self:DistributedTrainer, it:int)->float:
+    "`pct_train` after batch `it` of that epoch: from the saved run's to the epoch's end, in proportion to the samples trained"
+    r,dl,ws = self.rest,self._data(),self.world_size
+    bs = dl.bs or 1
+    share = -(-(dl.n - r['offset'])//ws)
+    per_rank = share//bs*bs if dl.drop_last else share
+    total,done = per_rank*ws,min((it - r['first'])*bs, per_rank)*ws
+    end = (self.epoch+1)/self.n_epoch
+    return end - (end - r['pct'])*(total - done)/total
+
+@patch
+def after_batch(self:DistributedTrainer):
+    if self.training and self.rest is not None and self.rest['epoch'] == self.epoch: self.learn.pct_train = self._rest_pct(self.iter+1)
+
+@patch
+def after_train(self:DistributedTrainer):
+    if self.rest is not None and self.rest['epoch'] == self.epoch: self.rest = None
+
+@patch
+def after_fit(self:DistributedTrainer):
+    if getattr(self.learn, '_fitting', False): self.rest = None
+
 # %% ../nbs/03_distributed.ipynb #963b8622
 def _world_size()->int: return dist.get_world_size() if _group() else 1
+def _trainer(learn): return next((cb for cb in learn.cbs if isinstance(cb, DistributedTrainer)), None)
 
 def _saves_everywhere(save):
     @wraps(save)
@@ -245,16 +308,51 @@ def _saves_everywhere(save):
     _save._core = save
     return _save
 
+def _rank0_checkpoint(learn, file)->dict:
+    "The checkpoint `file` as rank 0 reads it, on every rank"
+    state,err = None,None
+    if not rank_distrib():
+        try: state = read_checkpoint(join_path_file(file, learn.path/learn.model_dir, ext='.pth'))
+        except CheckpointError as e: err = str(e)
+    if (err := _broadcast(err)) is not None: raise CheckpointError(err)
+    return share_checkpoint(state)
+
+def _saved_run(rp)->dict:
+    "The `DistributedTrainer` state of a resume point; for a run without one (a single process), what it would have held"
+    sd = rp['callbacks'].get('distributed_trainer')
+    if sd is not None: return sd
+    s = rp['setup']
+    return dict(world_size=1, n=s['n_items'], bs=s['bs'], position=min(rp['iter']*(s['bs'] or 1), s['n_items']), rest=None,
+                ranks=[dict(rng=rp['rng'], epoch_torch=(rp['epoch_rng'] or {}).get('torch'))])
+
+def _continue_here(learn, rp, elastic):
+    "Check the world size of the resume point `rp` that `learn.load` left; on another world size (`elastic`), plan the rest of the epoch"
+    trainer,sd,now = _trainer(learn),_saved_run(rp),_world_size()
+    saved,file = sd['world_size'],rp['file']
+    if trainer is not None: trainer.rest = sd.get('rest') if saved == now else None
+    if saved == now: return
+    if not elastic: raise _world_error(file, saved, now)
+    if trainer is None: raise CheckpointError(f"{file} holds a resume point of {saved} process(es); continuing it on {now} needs DistributedTrainer among the callbacks")
+    if 'position' not in sd: raise CheckpointError(f"{file} does not record where the epoch is in its sample order (written by resumable_train 0.1); resume it on {saved} process(es)")
+    dl = trainer._data()
+    if (sd['n'], sd['bs']) != (dl.n, dl.bs):
+        raise CheckpointError(f"{file} holds a run over {sd['n']} training samples in batches of {sd['bs']}; this one has {dl.n} in batches of {dl.bs}")
+    full = _ShardDL(dl, 0, now)
+    rp['setup'] = dict(rp['setup'], n_iter=len(full), n_items=full.n, world_size=now)   # what this world size changes; the rest is checked
+    rp['callbacks'] = dict(rp['callbacks'], distributed_trainer=sd)
+    if not rp['iter']: return
+    rp['iter'] = max(1, sd['position']//((dl.bs or 1)*now))   # the batch of this run's epoch where the saved position falls
+    trainer.rest = dict(epoch=rp['epoch'], offset=sd['position'], first=rp['iter'], pct=rp['pct_train'])
+
 def _checks_world(load):
     @wraps(load)
-    def _load(self, file, *args, **kwargs):
-        res = load(self, file, *args, **kwargs)
-        rp = self.__dict__.get('_resume')
-        if rp is not None:
-            saved = (rp.get('callbacks') or {}).get('distributed_trainer', {}).get('world_size', 1)
-            if saved != _world_size():
-                del self._resume
-                raise _world_error(rp['file'], saved, _world_size())
+    def _load(self, file, *args, elastic:bool=False, state:dict|None=None, **kwargs):
+        if state is None and _world_size() > 1: state = _rank0_checkpoint(self, file)
+        res = load(self, file, *args, state=state, **kwargs)
+        if (trainer := _trainer(self)) is not None: trainer.elastic = elastic
+        if (rp := self.__dict__.get('_resume')) is not None:
+            try: _continue_here(self, rp, elastic)
+            except CheckpointError: del self._resume; raise
         return res
     _load._core = load
     return _load

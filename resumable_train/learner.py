@@ -12,7 +12,7 @@ from functools import partial, wraps
 import numpy as np, torch, fastai
 from fastcore.basics import patch, GetAttr
 from fastcore.foundation import L
-from fastai.torch_core import get_model, distrib_barrier, rank_distrib
+from fastai.torch_core import get_model, distrib_barrier, rank_distrib, to_device
 from fastai.data.load import DataLoader
 from fastai.callback.core import Callback, CancelEpochException
 from fastai.learner import Learner, save_model
@@ -247,6 +247,7 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
          with_iter:bool=True, # continue from the resume point, if the file holds one
          strict:bool=True, # as for `Module.load_state_dict`
          check_setup:bool=True, # refuse a resume point from a run with another setup
+         state:dict|None=None, # the checkpoint, already read (from rank 0, over the process group); `file` then only names it
          **kwargs # ignored: loading is always `weights_only=True`
         ):
     "Load model and optimizer state from `learn.path/learn.model_dir/file`; the next `fit` continues a resume point"
@@ -255,7 +256,8 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
     if self.opt is None: self.create_opt()
     file = join_path_file(file, self.path/self.model_dir, ext='.pth')
     distrib_barrier()
-    state = read_checkpoint(file, map_location=device or 'cpu')
+    if state is None: state = read_checkpoint(file, map_location=device or 'cpu')
+    elif device is not None: state = to_device(state, device)
     hasopt = set(state) == {'model','opt'}
     try: get_model(self.model).load_state_dict(state['model'] if hasopt else state, strict=strict)
     except RuntimeError as e: raise CheckpointError(f"{file} does not match this Learner's model: {e}") from e
