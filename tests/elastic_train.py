@@ -1,0 +1,73 @@
+"""A tiny training script for the elastic and multi-node tests. Run it as one rank of a process group (under `torchrun`, or forked with
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set) or alone: `elastic_train.py OUT [--elastic] [--workers 2] [--kill-at K] ...`.
+
+The training samples carry their index (the input value maps back to it), so each rank appends to OUT/ledger-{tag}-rank{R}.jsonl, after
+every training batch, the indices it trained with the epoch, batch, `pct_train` the batch was scheduled with and its learning rate: the
+sample ledger. At the end each rank writes OUT/result-{tag}-rank{R}.pt (weights, Recorder, schedule, tracker)."""
+import argparse, json, os, signal, sys, time
+from pathlib import Path
+import torch
+from torch import nn
+
+p = argparse.ArgumentParser()
+p.add_argument('out')
+p.add_argument('--run', default='run')                 # the folder of resume points (under OUT): one per node in multi-node tests
+p.add_argument('--tag', default='run')                 # names the ledger and the result of this launch
+p.add_argument('--epochs', type=int, default=3)
+p.add_argument('--n', type=int, default=30)            # training samples (not a multiple of 2 or 3 batches of 4)
+p.add_argument('--bs', type=int, default=4)
+p.add_argument('--workers', type=int, default=0)
+p.add_argument('--drop-last', action='store_true')
+p.add_argument('--every', type=int, default=1)         # AutoResume(every_iter=...)
+p.add_argument('--elastic', action='store_true')
+p.add_argument('--kill-at', type=int, default=-1)      # after this training batch (train_iter) is saved, SIGKILL ...
+p.add_argument('--kill-rank', type=int, default=-1)    # ... this rank only (-1: all ranks, after a barrier), in the first attempt only
+p.add_argument('--mark-at', type=int, default=-1)      # rank 0 writes OUT/marker-{tag} after this training batch
+p.add_argument('--sleep', type=float, default=0.)      # seconds per training batch
+p.add_argument('--timeout', type=float, default=20)
+args = p.parse_args()
+out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
+rank = int(os.environ.get('RANK', 0))
+attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
+
+from fastai.basics import *
+from fastai.callback.tracker import SaveModelCallback
+import torch.distributed as dist
+from resumable_train.autoresume import AutoResume
+from resumable_train.distributed import DistributedTrainer
+
+class Ledger(Callback):
+    "Log what each training batch trained; kill or mark where the arguments say"
+    order = AutoResume.order+1   # after AutoResume wrote its resume point
+    def before_fit(self): self.f = open(out/f'ledger-{args.tag}-rank{rank}.jsonl', 'a')
+    def before_batch(self): self.pct = self.pct_train
+    def after_batch(self):
+        if not self.training: return
+        idx = [index[v] for v in self.xb[0][:,0].tolist()]
+        self.f.write(json.dumps(dict(epoch=self.epoch, iter=self.iter, train_iter=self.train_iter, pct=self.pct,
+                                     lr=self.opt.hypers[-1]['lr'], idx=idx)) + '\n')
+        self.f.flush()
+        if args.sleep: time.sleep(args.sleep)
+        if rank == 0 and self.train_iter == args.mark_at: (out/f'marker-{args.tag}').touch()
+        if self.train_iter == args.kill_at and attempt == 0 and args.kill_rank in (-1, rank):
+            if args.kill_rank == -1 and dist.is_initialized(): dist.barrier()   # every rank past the write of the resume point
+            os.kill(os.getpid(), signal.SIGKILL)
+    def after_fit(self): self.f.close()
+
+trainer = DistributedTrainer(timeout=args.timeout)
+set_seed(0)
+x = torch.randn(args.n, 1)
+index = {v: i for i,v in enumerate(x[:,0].tolist())}
+assert len(index) == args.n
+train = TfmdDL(list(zip(x, 2*x + 3 + 0.1*torch.randn(args.n, 1))), bs=args.bs, shuffle=True, drop_last=args.drop_last, num_workers=args.workers)
+xv = torch.randn(8, 1)
+valid = TfmdDL(list(zip(xv, 2*xv + 3)), bs=8)
+model = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
+torch.manual_seed(1000 + rank)   # each rank its own streams (dropout)
+tracker = SaveModelCallback(monitor='valid_loss')
+learn = Learner(DataLoaders(train, valid), model, loss_func=MSELossFlat(), path=out/args.run,
+                cbs=[trainer, AutoResume(every_iter=args.every, elastic=args.elastic), Ledger(), tracker])
+learn.fit_one_cycle(args.epochs, 1e-2)
+res = dict(model={k: v.clone() for k,v in learn.model.state_dict().items()}, values=learn.recorder.values, lrs=learn.recorder.lrs,
+           train_iter=learn.train_iter, pct_train=learn.pct_train, best=tracker.best, world_size=trainer.world_size)
+torch.save(res, out/f'result-{args.tag}-rank{rank}.pt')
