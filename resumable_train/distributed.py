@@ -31,14 +31,20 @@ __all__ = ['init_distributed', 'DistributedTrainer']
 def _torchrun_env()->bool: return all(k in os.environ for k in ('RANK','WORLD_SIZE','MASTER_ADDR','MASTER_PORT'))
 def _group()->bool: return dist.is_available() and dist.is_initialized()
 
+def _store(timeout):
+    "The store `torchrun` describes, with keys of their own for each of torchrun's restarts (it keeps one store for all of them)"
+    store,rank,world_size = next(dist.rendezvous('env://', timeout=timeout))
+    return dist.PrefixStore(f"resumable_train/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store),rank,world_size
+
 def init_distributed(timeout:float=600, # seconds a rank waits for the others in a collective call before it fails
                     )->bool:
     "Join the process group `torchrun` describes (gloo on CPU, nccl on GPU); `False` when there is none"
     if _group(): return True
     if not (dist.is_available() and _torchrun_env()): return False
-    cuda = torch.cuda.is_available()
+    cuda,td = torch.cuda.is_available(),datetime.timedelta(seconds=timeout)
     if cuda: torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
-    dist.init_process_group('nccl' if cuda else 'gloo', timeout=datetime.timedelta(seconds=timeout))
+    store,rank,world_size = _store(td)
+    dist.init_process_group('nccl' if cuda else 'gloo', store=store, rank=rank, world_size=world_size, timeout=td)
     return True
 
 # %% ../nbs/03_distributed.ipynb #ecc87386

@@ -1,0 +1,97 @@
+"""Under real `torchrun`: two nodes on this machine without a shared folder (c10d rendezvous on a free loopback port, each node with its
+own folder), one node lost and both relaunched; and torchrun's own restarts (`--max-restarts`). Both end bit for bit as an uninterrupted
+2-rank run (made by forked ranks, which test_elastic.py shows train as torchrun's workers do). Every launch is bounded and its process
+group killed on timeout; torchrun workers pay `import fastai` each, so the launches are few and the data tiny."""
+import glob, os, signal, time
+from pathlib import Path
+import pytest
+from forked import Forker
+from helpers import PY, TESTS, start, finish, kill_group, load_result, diff_values
+from test_elastic import free_port, run
+
+SCRIPT = TESTS/'elastic_train.py'
+TIMEOUT = 10   # the process-group timeout the script gives DistributedTrainer
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+    "An uninterrupted run of 2 ranks"
+    out = tmp_path_factory.mktemp('ref')
+    run(Forker(), 2, out, '--tag', 'ref')
+    return [load_result(out/f'result-ref-rank{r}.pt') for r in (0, 1)]
+
+def node(out, port, *args, restarts=0):
+    "One node of a 2-node job: torchrun with one process, c10d rendezvous on loopback, its own folder `out`"
+    return start([PY, '-m', 'torch.distributed.run', '--nnodes=2', '--nproc_per_node=1', '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{port}',
+                  '--rdzv-id=multinode', f'--max-restarts={restarts}', '--redirects', '3', '--log-dir', str(out/'logs'),
+                  str(SCRIPT), str(out), '--timeout', str(TIMEOUT), *args])
+
+def logs(out, stream='stderr'):
+    return ''.join(Path(f).read_text(errors='replace') for f in sorted(glob.glob(f'{out}/logs/*/attempt_*/*/{stream}.log')))
+
+def launch_both(outs, *args, first=0):
+    "Launch the two nodes, `outs[first]` first (c10d gives rank 0 to the node whose launcher has the lower process id)"
+    port,ps = free_port(),{}
+    for i in (first, 1-first):
+        ps[i] = node(outs[i], port, *args)
+        time.sleep(0.3)
+    return [ps[0], ps[1]]
+
+def kill_tree(p):
+    "SIGKILL a launcher and every process under it (torchrun starts each worker in a session of its own): the node is gone"
+    parents = {}
+    for st in glob.glob('/proc/[0-9]*/stat'):
+        try: f = Path(st).read_text().rsplit(')', 1)[1].split()
+        except OSError: continue
+        parents.setdefault(int(f[1]), []).append(int(st.split('/')[2]))
+    todo,tree = [p.pid],[]
+    while todo: tree.append(q := todo.pop()); todo += parents.get(q, [])
+    for q in tree:
+        try: os.kill(q, signal.SIGKILL)
+        except ProcessLookupError: pass
+
+def which_rank(out, tag): return 0 if (out/f'result-{tag}-rank0.pt').exists() else 1
+
+def assert_same(reference, results):
+    for ref,got in zip(reference, results):
+        d = diff_values(ref['model'], got['model'], 'model') + diff_values(ref['values'], got['values'], 'values') + diff_values(ref['lrs'], got['lrs'], 'lrs')
+        assert not d and ref['train_iter'] == got['train_iter'], d[:5]
+
+def test_two_nodes_no_shared_folder(tmp_path, reference):
+    "Lose the node with rank 0 mid-epoch; the other fails with the clear error; relaunch both the other way round: rank 0 is now on the node without resume points"
+    outs = [tmp_path/'node_a', tmp_path/'node_b']
+    ps = launch_both(outs, '--tag', 'a', '--sleep', '0.3', '--mark-at', '6')
+    try:
+        end = time.monotonic() + 120
+        while not any((o/'marker-a').exists() for o in outs):
+            assert time.monotonic() < end and all(p.poll() is None for p in ps), [finish(p, 1) for p in ps]
+            time.sleep(0.1)
+        lost = 0 if (outs[0]/'marker-a').exists() else 1    # the node with rank 0, which holds the resume points
+        kill_tree(ps[lost])
+        t = time.monotonic()
+        rc,o,e = finish(ps[1-lost], TIMEOUT + 60)
+        secs = time.monotonic() - t
+        err = logs(outs[1-lost])
+        assert rc != 0 and 'DistributedTrainer: rank 1 of 2 could not' in err, (rc, e[-3000:], err[-3000:])
+        print(f"the surviving node's launcher exited {secs:.1f}s after the other node was killed")
+        assert secs < TIMEOUT + 30
+    finally:
+        for p in ps: kill_group(p)
+    assert list((outs[lost]/'run'/'models').glob('autoresume-*.pth')) and not list((outs[1-lost]/'run'/'models').glob('autoresume-*.pth'))
+    ps = launch_both(outs, '--tag', 'b', first=1-lost)
+    res = [finish(p, 300) for p in ps]
+    assert all(r[0] == 0 for r in res), [(r[0], r[2][-2000:]) for r in res] + [logs(o)[-3000:] for o in outs]
+    print(f"relaunched: rank 0 on node {'ab'[[which_rank(o, 'b') for o in outs].index(0)]}, resume points were on node {'ab'[lost]}")
+    assert 'AutoResume: continuing from' in logs(outs[0], 'stdout') + logs(outs[1], 'stdout')
+    results = {which_rank(o, 'b'): load_result(next(o.glob('result-b-rank*.pt'))) for o in outs}
+    assert_same(reference, [results[0], results[1]])
+
+def test_max_restarts(tmp_path, reference):
+    "torchrun --max-restarts=1: a killed worker makes torchrun restart both; they continue from the newest resume point by themselves"
+    p = start([PY, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', '--max-restarts=1', '--redirects', '3',
+               '--log-dir', str(tmp_path/'logs'), str(SCRIPT), str(tmp_path), '--timeout', str(TIMEOUT), '--tag', 'r',
+               '--kill-rank', '1', '--kill-at', '5'])
+    rc,o,e = finish(p, 400)
+    assert rc == 0, (o[-2000:], e[-3000:], logs(tmp_path)[-3000:])
+    assert len(glob.glob(f'{tmp_path}/logs/*/attempt_1')) == 1                       # one restart
+    assert 'AutoResume: continuing from' in logs(tmp_path, 'stdout')
+    assert_same(reference, [load_result(tmp_path/f'result-r-rank{r}.pt') for r in (0, 1)])
