@@ -232,11 +232,10 @@ def _world_error(file, saved, now):
 @patch
 def _epoch_position(self:DistributedTrainer)->int|None:
     "How many samples of this epoch's order all ranks together have trained (`None` at the end of `fit`)"
-    pos = _position(self.learn)
-    if pos is None: return None
+    pos,dl,r = _position(self.learn),self._data(),self.rest
+    if pos is None or getattr(dl, 'n', None) is None: return None   # a DataLoader of unknown length (or not fastai's) has no position
     ep,it = pos
     if not it: return 0
-    dl,r = self._data(),self.rest
     offset,first = (r['offset'],r['first']) if r is not None and r['epoch'] == ep else (0,0)
     return offset + min((it-first)*(dl.bs or 1)*self.world_size, dl.n-offset)
 
@@ -251,7 +250,8 @@ def state_dict(self:DistributedTrainer):
         ranks = None if self.rank else [None]*self.world_size
         self._collective(lambda: dist.gather_object(mine, ranks, dst=0), 'send its random state to rank 0')
     dl = self._data()
-    return dict(world_size=self.world_size, n=dl.n, bs=dl.bs, position=self._epoch_position(), rest=self.rest, ranks=ranks)
+    return dict(world_size=self.world_size, n=getattr(dl, 'n', None), bs=getattr(dl, 'bs', None), position=self._epoch_position(),
+                rest=self.rest, ranks=ranks)
 
 def _rank_streams(sd, rank):
     "This rank's saved random streams; for a rank the saved run did not have, streams seeded by rank 0's and the rank's number"
@@ -339,10 +339,13 @@ def _continue_here(learn, rp, elastic):
     if saved == now: return
     if not elastic: raise _world_error(file, saved, now)
     if trainer is None: raise CheckpointError(f"{file} holds a resume point of {saved} process(es); continuing it on {now} needs DistributedTrainer among the callbacks")
-    if 'position' not in sd: raise CheckpointError(f"{file} does not record where the epoch is in its sample order (written by resumable_train 0.1); resume it on {saved} process(es)")
+    if 'n' not in sd or (sd['position'] is None and rp['iter']):
+        raise CheckpointError(f"{file} does not record where the epoch is in its sample order (written by resumable_train 0.1, or with a "
+                              f"DataLoader that is not fastai's); resume it on {saved} process(es), or from the end of an epoch")
     dl = trainer._data()
-    if (sd['n'], sd['bs']) != (dl.n, dl.bs):
-        raise CheckpointError(f"{file} holds a run over {sd['n']} training samples in batches of {sd['bs']}; this one has {dl.n} in batches of {dl.bs}")
+    if (sd['n'], sd['bs']) != (getattr(dl, 'n', None), getattr(dl, 'bs', None)):
+        raise CheckpointError(f"{file} holds a run over {sd['n']} training samples in batches of {sd['bs']}; this one has "
+                              f"{getattr(dl, 'n', None)} in batches of {getattr(dl, 'bs', None)}")
     full = _ShardDL(dl, 0, now)
     rp['setup'] = dict(rp['setup'], n_iter=len(full), n_items=full.n, world_size=now)   # what this world size changes; the rest is checked
     rp['callbacks'] = dict(rp['callbacks'], distributed_trainer=sd)
