@@ -85,16 +85,16 @@ def _into(new, buf=None):
     return new
 
 # %% ../nbs/02_autoresume.ipynb #127654cc
+def _group_device(): return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
+
 def agree(x:int)->int:
     "The maximum of `x` over all ranks (the value itself without `torch.distributed`)"
     if not (dist.is_available() and dist.is_initialized()): return x
-    t = torch.tensor([int(x)], device='cuda' if dist.get_backend() == 'nccl' else 'cpu')
+    t = torch.tensor([int(x)], device=_group_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 # %% ../nbs/02_autoresume.ipynb #e1a57c02
-def _group_device(): return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
-
 def share_checkpoint(state:dict|None, # the checkpoint on rank `src`; ignored on the other ranks
                      src:int=0, # the rank that holds it
                     )->dict:

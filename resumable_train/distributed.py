@@ -22,7 +22,7 @@ from .state import *
 from .state import _metric_state, _set_metric_state
 from .learner import *
 from .learner import _position, _seeded
-from .autoresume import agree, share_checkpoint
+from .autoresume import agree, share_checkpoint, _group_device
 
 # %% auto #0
 __all__ = ['init_distributed', 'DistributedTrainer']
@@ -91,12 +91,10 @@ for _n in ('randomize','wif','before_iter','after_batch','create_batches','do_it
 _RANK0 = (ProgressCallback, ShowGraphCallback, CSVLogger)
 _OWN_EVENTS = ('before_fit','after_cancel_fit','after_fit')
 
-def _device(): return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
-
 def _broadcast(o):
     "Rank 0's `o`, on every rank"
     l = [o]
-    dist.broadcast_object_list(l, src=0, device=_device())
+    dist.broadcast_object_list(l, src=0, device=_group_device())
     return l[0]
 
 class _NoBatches(GetAttr):
@@ -178,7 +176,7 @@ def before_fit(self:DistributedTrainer):
     self.learn.to_detach = self._to_detach
     if not getattr(self.learn, '_fitting', False): return   # `validate` or `get_preds`: every rank evaluates on its own
     self._cleanup()
-    learn,self.dev = self.learn,_device()
+    learn,self.dev = self.learn,_group_device()
     if self.dev.type == 'cuda': learn.dls.to(self.dev); learn.model.to(self.dev)
     self.old = dict(model=learn.model, loaders=list(learn.dls.loaders), logger=learn.logger)
     self.ddp = DistributedDataParallel(learn.model, device_ids=[self.dev.index] if self.dev.type == 'cuda' else None, **self.ddp_kwargs)
