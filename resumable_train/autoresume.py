@@ -15,7 +15,7 @@ from fastai.torch_core import rank_distrib
 from fastai.callback.core import Callback, CancelFitException
 from .state import *
 from .learner import *
-from .learner import _position, _restore_streams
+from .learner import _position, _restore_streams, _load_through, _bypassed
 
 # %% auto #0
 __all__ = ['list_checkpoints', 'newest_valid', 'agree', 'AutoResume']
@@ -105,7 +105,7 @@ class AutoResume(Callback):
                  verbose:bool=True, # say where training resumed
                 ):
         store_attr('fname,every_iter,every_secs,keep,background,signals,verbose')
-        self.fit_index,self.fits,self.found,self.writer,self.buffers = -1,[],None,_Writer(background),None
+        self.fit_index,self.fits,self.found,self.writer,self.host_copy,self.fitting = -1,[],None,_Writer(background),None,False
 
     @property
     def folder(self): return self.learn.path/self.learn.model_dir
@@ -151,7 +151,7 @@ def _decide(self:AutoResume):
     if rec['fit_index'] > i: raise CancelFitException()
     if rec['fit_index'] < i: return
     self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
-    try: self.learn.load(file.absolute().with_suffix(''), with_iter=rec['epoch'] is not None)
+    try: _load_through(self.learn, file.absolute().with_suffix(''), with_iter=rec['epoch'] is not None)
     except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
     if rec['epoch'] is None:
         _restore_streams(self.learn, rec)
@@ -169,7 +169,7 @@ def _save(self:AutoResume):
     self.folder.mkdir(parents=True, exist_ok=True)
     self.writer.wait()  # before copying: one copy of the state at a time
     ck = checkpoint(self.learn, extra=extra)
-    if self.background: ck = self.buffers = _into(ck, self.buffers)
+    if self.background: ck = self.host_copy = _into(ck, self.host_copy)
     self.writer(ck, file, then=self._prune)
     self.last_save = time.monotonic()
 
@@ -199,8 +199,9 @@ def _restore_handlers(self:AutoResume):
 # %% ../nbs/02_autoresume.ipynb #6d780516
 @patch
 def before_fit(self:AutoResume):
-    if hasattr(self.learn, 'lr_finder') or not getattr(self.learn, '_fitting', False):
-        self.run = False; return  # `lr_find`, and `validate`/`get_preds` (which send `before_fit` too), are not fit calls of the run
+    if hasattr(self.learn, 'lr_finder'): self.run = False; return  # `lr_find` is not a fit call of the run
+    self.fitting = getattr(self.learn, '_fitting', False)
+    if not self.fitting: return  # `validate` and `get_preds` send `before_fit` too; a fit that bypasses `Learner.fit` fails in `before_train`
     self.fit_index += 1
     self.signum,self.skipped,self.stopped = 0,False,False
     self.last_save = time.monotonic()
@@ -212,8 +213,12 @@ def before_fit(self:AutoResume):
     self._install_handlers()
 
 @patch
+def before_train(self:AutoResume):
+    if not self.fitting: raise _bypassed(self.learn, 'fit')
+
+@patch
 def after_batch(self:AutoResume):
-    if not self.training: return
+    if not (self.fitting and self.training): return
     due = bool(self.every_iter and self.train_iter % self.every_iter == 0)
     if self.every_secs: due |= bool(agree(time.monotonic() - self.last_save >= self.every_secs))
     stop = agree(self.signum)
@@ -222,6 +227,7 @@ def after_batch(self:AutoResume):
 
 @patch
 def after_epoch(self:AutoResume):
+    if not self.fitting: return
     self._save()
     if stop := agree(self.signum): self._stop(stop)
 
@@ -236,19 +242,21 @@ def _stop(self:AutoResume, signum):
 @patch
 def _cleanup(self:AutoResume):
     self._restore_handlers()
-    self.buffers = None
+    self.host_copy = None
     if self.added_seed: self.learn.remove_cbs(L(self.learn.cbs).filter(lambda cb: isinstance(cb, SeedBatches)))
 
 @patch
 def after_cancel_fit(self:AutoResume):
     "A stop by a signal ends the process here, before other callbacks' `after_fit` (which may fail on a half-trained run)"
-    if not self.stopped: return
+    if not (self.fitting and self.stopped): return
     self._cleanup()
     if self.signum == signal.SIGINT: raise KeyboardInterrupt("AutoResume: stopped by Ctrl-C; resume point saved")
     raise SystemExit(128 + self.signum)
 
 @patch
 def after_fit(self:AutoResume):
+    if not self.fitting: return
+    self.fitting = False
     try:
         if not self.skipped: self._save()
         self.writer.wait()

@@ -24,6 +24,7 @@ def digits_learner(path='.', # the folder whose `models/` holds the checkpoints
                   )->Learner:
     "A `Learner` for a small CNN on scikit-learn's 8x8 digits, the same every time it is built with the same `seed`"
     from sklearn.datasets import load_digits
+    import fastai.callback.schedule  # noqa: F401 (`fit_one_cycle` & co., which its users call; not imported with the package)
     set_seed(seed, reproducible=True)
     x,y = load_digits(return_X_y=True)
     x,y = torch.tensor(x, dtype=torch.float32).view(-1, 1, 8, 8)/16,torch.tensor(y)

@@ -6,25 +6,25 @@ Docs: https://resumable-train.github.io/resumable_train/learner.html.md"""
 
 # %% ../nbs/01_learner.ipynb #886b3d1f
 from __future__ import annotations
-import itertools, random, time, warnings
+import itertools, random, sys, time, warnings, importlib.abc, importlib.machinery
 from contextlib import contextmanager
 from functools import partial, wraps
-import numpy as np, torch, fastai
+import numpy as np, torch, fastai, torch.distributed as dist
 from fastcore.basics import patch, GetAttr
 from fastcore.foundation import L
 from fastai.torch_core import get_model, distrib_barrier, rank_distrib
 from fastai.data.load import DataLoader
 from fastai.callback.core import Callback, CancelEpochException
 from fastai.learner import Learner, save_model
-from fastai.callback.schedule import ParamScheduler  # noqa: F401 (patches Learner.fit_one_cycle & co.)
 from fastcore.xtras import join_path_file
 from .state import *
+from .state import _qualname
 
 # %% auto #0
 __all__ = ['SeedBatches', 'resume_point', 'SkipToIter', 'checkpoint']
 
 # %% ../nbs/01_learner.ipynb #51eb41bc
-_fastai = {n: getattr(getattr(Learner, n), '_fastai', getattr(Learner, n)) for n in ('_call_one','fit','fit_one_cycle','fit_flat_cos','fit_sgdr')}
+_fastai = {n: getattr(getattr(Learner, n), '_fastai', getattr(Learner, n)) for n in ('_call_one','fit')}
 
 @patch
 def _call_one(self:Learner, event_name):
@@ -55,19 +55,26 @@ def _unpatch_attrs(o, old:dict):
         if v is None: o.__dict__.pop(n, None)
         else: setattr(o, n, v)
 
-def _drop_first(get_idxs, n):
-    idxs = get_idxs()
+def _drop_first(get_idxs, n, streams=None):
+    "The epoch's indices from the `n`-th on, drawn under the random streams `streams` (those at the epoch's start) if given"
+    if streams is None: idxs = get_idxs()
+    else:
+        now = rng_state()
+        set_rng_state(streams)
+        try: idxs = get_idxs()
+        finally: set_rng_state(now)
     return idxs[n:] if isinstance(idxs, list) else itertools.islice(idxs, n, None)
 
 class _FastForward(GetAttr):
     "Iterate `dl` from batch `first_iter` on, without loading the batches before it"
     _default = 'dl'
-    def __init__(self, dl, first_iter:int, torch_state=None): self.dl,self._first_iter,self.torch_state = dl,first_iter,torch_state
+    def __init__(self, dl, first_iter:int, torch_state=None, streams=None):
+        self.dl,self._first_iter,self.torch_state,self.streams = dl,first_iter,torch_state,streams
     def __len__(self): return len(self.dl)
     def __iter__(self):
         dl,gen = self.dl,None
         if self.torch_state is not None: (gen := torch.Generator()).set_state(self.torch_state)
-        old_dl = _patch_attrs(dl, get_idxs=partial(_drop_first, dl.get_idxs, self._first_iter*(dl.bs or 1)), _first_iter=self._first_iter)
+        old_dl = _patch_attrs(dl, get_idxs=partial(_drop_first, dl.get_idxs, self._first_iter*(dl.bs or 1), self.streams), _first_iter=self._first_iter)
         old_fake = _patch_attrs(dl.fake_l, generator=gen)
         try: yield from dl
         finally: _unpatch_attrs(dl, old_dl); _unpatch_attrs(dl.fake_l, old_fake)
@@ -113,12 +120,21 @@ class SeedBatches(Callback):
 def _grad_state(p): return None if p.grad is None else p.grad if p.grad.any() else 0
 def _set_grad(p, g): p.grad = None if g is None else torch.zeros_like(p) if isinstance(g, int) else g.to(p.device)
 
+def _restore_dls(learn, rec):
+    "Put each DataLoader's `rng` and registered state back as `rec` holds them"
+    for dl,s in zip(learn.dls.loaders, rec['dl_rngs']): set_dl_rng_state(dl, s)
+    load_dl_states(learn, rec.get('dl_states', []))
+
 def _restore_streams(learn, rec, dls=True):
-    "Give `learn`'s callbacks their states and put the random streams (and, with `dls`, the DataLoaders') back as `rec` holds them"
+    "Give `learn`'s callbacks and modules their states and put the random streams (and, with `dls`, the DataLoaders') back as `rec` holds them"
     load_callback_states(learn, rec['callbacks'])
-    if dls:
-        for dl,s in zip(learn.dls.loaders, rec['dl_rngs']): set_dl_rng_state(dl, s)
+    load_module_states(learn.model, rec.get('modules', {}))
+    if dls: _restore_dls(learn, rec)
     set_rng_state(rec['rng'])
+
+def _epoch_start(learn)->dict:
+    "What decides an epoch's order: the random streams at its start, and the training DataLoader's `rng` and state"
+    return dict(torch=torch.get_rng_state(), dl=dl_rng_state(learn.dls.train), rng=rng_state(), dl_state=state_of(learn.dls.train))
 
 def _position(learn):
     ev = getattr(learn, '_event', None)
@@ -144,6 +160,7 @@ def resume_point(learn)->dict|None:
     skip = next(cb for cb in learn.cbs if isinstance(cb, SkipToIter))
     return to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train,
         setup=run_setup(learn, learn.n_epoch), hypers=learn.opt.hypers, rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders],
+        dl_states=dl_states(learn), modules=module_states(learn.model),
         epoch_rng=skip.epoch_rng if it else None, callbacks=callback_states(learn),
         metric_names=_value_names(learn),
         grads=[_grad_state(p) for p in learn.model.parameters()], meta=_meta()))
@@ -164,8 +181,7 @@ class SkipToIter(Callback):
             for k in rp['hypers'][0]: self.opt.set_hyper(k, [h[k] for h in rp['hypers']])
             for p,g in zip(self.model.parameters(), rp['grads']): _set_grad(p, g)
             if not self.start_iter: _restore_streams(self.learn, rp)
-            else:
-                for dl,s in zip(self.dls.loaders, rp['dl_rngs']): set_dl_rng_state(dl, s)
+            else: _restore_dls(self.learn, rp)
         self.learn._start_epoch,self.learn.epoch = self.start_epoch,min(self.start_epoch, self.n_epoch-1)  # resumed at its very end, a run ends as it would have
         if rp is not None: self.learn.pct_train = rp['pct_train']
         mbar = getattr(getattr(self.learn, 'progress', None), 'mbar', None)
@@ -179,18 +195,19 @@ class SkipToIter(Callback):
 
     def before_train(self):
         if self.epoch != self.start_epoch or not self.start_iter:
-            self.epoch_rng = dict(torch=torch.get_rng_state(), dl=dl_rng_state(self.dls.train))
+            self.epoch_rng = _epoch_start(self.learn)
             return
         if not isinstance(self.dl, DataLoader):
             raise TypeError(f"SkipToIter can start inside an epoch only with fastai DataLoaders, not {type(self.dl).__name__}; resume at an epoch's end instead")
         rp,self.n_iter_train = self.rp,len(self.dl)
         self.learn.pct_train = rp['pct_train'] if rp else self._replayed_pct()
-        if rp is None: self.epoch_rng = dict(torch=torch.get_rng_state(), dl=dl_rng_state(self.dls.train))
+        if rp is None: self.epoch_rng = _epoch_start(self.learn)
         else:
-            self.epoch_rng = rp['epoch_rng']
-            set_dl_rng_state(self.dls.train, self.epoch_rng['dl'])
+            self.epoch_rng = er = rp['epoch_rng']
+            set_dl_rng_state(self.dls.train, er['dl'])
+            restore_state(self.dls.train, er.get('dl_state'))
             _restore_streams(self.learn, rp, dls=False)
-        self.learn.dl = _FastForward(self.dl, self.start_iter, self.epoch_rng['torch'] if rp else None)
+        self.learn.dl = _FastForward(self.dl, self.start_iter, *((er['torch'], er.get('rng')) if rp else ()))
         self.start_iter = 0
 
 # %% ../nbs/01_learner.ipynb #ee188288
@@ -216,9 +233,11 @@ def save(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
          extra:dict|None=None, # more plain values to keep in the record
         ):
     "Save model and optimizer state to `learn.path/learn.model_dir/file`, with the resume point if `with_iter`"
-    file = join_path_file(file, self.path/self.model_dir, ext='.pth')
-    if rank_distrib(): return file
-    if not (with_opt and with_iter and self.opt is not None):
+    file,full = join_path_file(file, self.path/self.model_dir, ext='.pth'),with_opt and with_iter and self.opt is not None
+    if rank_distrib():
+        if full: resume_point(self)  # every rank takes part in gathering the states (`DistributedTrainer`'s random streams)
+        return file
+    if not full:
         save_model(file, self.model, getattr(self,'opt',None), with_opt=with_opt, pickle_protocol=pickle_protocol)
         return file
     return write_checkpoint(checkpoint(self, extra=extra), file, durable=durable, pickle_protocol=pickle_protocol)
@@ -239,6 +258,19 @@ def _load_opt(opt, sd, file):
     if isinstance(getattr(type(opt), 'hypers', None), property): return
     opt.hypers = L(opt.hypers)  # saved as a plain list; fastai's optimizers keep an `L`
 
+def _world_size()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+def _world_error(file, saved, now):
+    return CheckpointError(f"{file} holds a resume point of a run on {saved} process(es); this run has {now}. Another world size would not "
+        f"continue the same run (other shards, batch positions and random streams): relaunch with {saved} process(es) "
+        "(torchrun --nproc_per_node ...), or load it with with_iter=False to start a new run from its weights")
+
+def _check_world(rec, file):
+    saved = rec['callbacks'].get('distributed_trainer', {}).get('world_size', 1)
+    if saved != _world_size(): raise _world_error(file, saved, _world_size())
+
+_loads = 0  # calls of the package's `Learner.load`: `_load_through` checks that a subclass's `load` reaches it
+
 @patch
 def load(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
          device=None, # where to put the tensors; the DataLoaders' device by default
@@ -249,6 +281,8 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
          **kwargs # ignored: loading is always `weights_only=True`
         ):
     "Load model and optimizer state from `learn.path/learn.model_dir/file`; the next `fit` continues a resume point"
+    global _loads
+    _loads += 1
     if device is None and hasattr(self.dls, 'device'): device = self.dls.device
     if isinstance(device, int): device = torch.device('cuda', device)
     if self.opt is None: self.create_opt()
@@ -268,8 +302,30 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
     if not getattr(self, '_fitting', False) or self._event == 'before_fit':
         self.__dict__.pop('_resume', None)
         if with_iter and with_opt and rec is not None and rec.get('epoch') is not None:
+            _check_world(rec, file)
             self._resume = dict(rec, file=str(file), check=check_setup)
     return self
+
+# %% ../nbs/01_learner.ipynb #649a4b94
+class _AfterImport(importlib.abc.MetaPathFinder):
+    "Call a function on a module right after it is first imported, without importing it"
+    def __init__(self): self.todo = {}
+    def find_spec(self, name, path, target=None):
+        if name not in self.todo: return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None: return None
+        run = spec.loader.exec_module
+        def _exec(module): run(module); self.todo.pop(name)(module)
+        spec.loader.exec_module = _exec
+        return spec
+
+_after_import = _AfterImport()
+sys.meta_path.insert(0, _after_import)
+
+def _when_imported(name:str, f):
+    "Call `f(module)` on module `name` now if it is imported, else right after it is"
+    if name in sys.modules: f(sys.modules[name])
+    else: _after_import.todo[name] = f
 
 # %% ../nbs/01_learner.ipynb #132daca2
 @patch
@@ -299,4 +355,41 @@ def _start_through(f):
     _fit._fastai = f
     return _fit
 
-for _n in ('fit_one_cycle','fit_flat_cos','fit_sgdr'): setattr(Learner, _n, _start_through(_fastai[_n]))
+def _wrap_schedules(module):
+    for n in ('fit_one_cycle','fit_flat_cos','fit_sgdr'):
+        f = getattr(Learner, n)
+        setattr(Learner, n, _start_through(getattr(f, '_fastai', f)))
+
+_when_imported('fastai.callback.schedule', _wrap_schedules)
+
+# %% ../nbs/01_learner.ipynb #721fef4e
+_bypassing = {'fastai.text.learner.TextLearner': ('load',)}  # fastai's overrides that do not call `Learner`'s
+
+def _adopt(cls):
+    "Remove the overrides of `cls` listed in `_bypassing`, so that `cls` uses the package's methods"
+    for n in _bypassing.get(_qualname(cls), ()):
+        if n in vars(cls): delattr(cls, n)
+
+def _adopt_subclasses(cls, **kwargs):
+    super(Learner, cls).__init_subclass__(**kwargs)
+    _adopt(cls)
+
+def _subclasses(c): return [s for d in c.__subclasses__() for s in (d, *_subclasses(d))]
+
+Learner.__init_subclass__ = classmethod(_adopt_subclasses)
+for _c in _subclasses(Learner): _adopt(_c)
+
+def _bypassed(learn, name):
+    return TypeError(f"{type(learn).__qualname__}.{name} does not call Learner.{name}, which resuming needs (AutoResume calls "
+                     f"`learn.load(file, with_iter=...)` and continues inside `Learner.fit`); make it call `super().{name}(...)`, passing on "
+                     "the keyword arguments it does not use")
+
+def _load_through(learn, file, **kwargs):
+    "`learn.load(file, **kwargs)`, refusing a subclass's `load` that does not reach the package's `Learner.load`"
+    before = _loads
+    try: learn.load(file, **kwargs)
+    except Exception as e:
+        if _loads == before: raise _bypassed(learn, 'load') from e
+        raise
+    if _loads == before: raise _bypassed(learn, 'load')
+    return learn
