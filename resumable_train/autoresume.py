@@ -13,6 +13,7 @@ from fastcore.basics import store_attr, patch
 from fastcore.foundation import L
 from fastai.torch_core import rank_distrib
 from fastai.callback.core import Callback, CancelFitException
+from .files import *
 from .state import *
 from .learner import *
 from .learner import _position, _restore_streams, _load_through, _bypassed

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from fastai.basics import Learner, DataLoaders, DataLoader, Flatten, CrossEntropyLossFlat, accuracy, set_seed, Callback
-from .state import read_checkpoint, resume_record, CheckpointError, _unpack
+from .files import read_checkpoint, resume_record, CheckpointError, _unpack
 
 # %% auto #0
 __all__ = ['digits_learner', 'weights_digest', 'checkpoint_info', 'main']

@@ -13,6 +13,7 @@ from fastcore.basics import GetAttr, patch
 from fastai.torch_core import to_detach, rank_distrib, noop
 from fastai.data.load import DataLoader, _FakeLoader
 from fastai.callback.core import Callback, CancelFitException
+from .files import *
 from .state import *
 from .state import _metric_state, _set_metric_state, _qualname
 from .learner import *

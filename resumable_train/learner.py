@@ -17,6 +17,7 @@ from fastai.data.load import DataLoader
 from fastai.callback.core import Callback, CancelEpochException
 from fastai.learner import Learner, save_model
 from fastcore.xtras import join_path_file
+from .files import *
 from .state import *
 from .state import _qualname
 

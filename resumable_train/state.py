@@ -6,16 +6,17 @@ Docs: https://resumable-train.github.io/resumable_train/state.html.md"""
 
 # %% ../nbs/00_state.ipynb #f26101a2
 from __future__ import annotations
-import os, random, tempfile, zipfile, pickle
+import os, random, time
 from pathlib import Path
 import numpy as np, torch
 from fastcore.foundation import L
 from fastai.torch_core import get_random_states, set_random_states, num_distrib, rank_distrib, get_model
+from .files import *
+from .files import _pack, _unpack
 
 # %% auto #0
-__all__ = ['FORMAT_VERSION', 'to_plain', 'rng_state', 'set_rng_state', 'dl_rng_state', 'set_dl_rng_state', 'register_state',
-           'has_state', 'state_of', 'restore_state', 'callback_states', 'load_callback_states', 'make_checkpoint',
-           'write_checkpoint', 'CheckpointError', 'read_checkpoint', 'resume_record', 'run_setup', 'check_setup',
+__all__ = ['to_plain', 'rng_state', 'set_rng_state', 'dl_rng_state', 'set_dl_rng_state', 'register_state', 'has_state',
+           'state_of', 'restore_state', 'callback_states', 'load_callback_states', 'run_setup', 'check_setup',
            'dl_states', 'load_dl_states', 'module_states', 'load_module_states']
 
 # %% ../nbs/00_state.ipynb #45ebe4e0
@@ -107,18 +108,6 @@ def _is_plain(v):
 def _metric_state(m): return state_of(m) if has_state(m) else {k:v for k,v in vars(m).items() if _is_plain(v)}
 def _set_metric_state(m, sd): restore_state(m, sd) if has_state(m) else _set_vars(m, sd)
 
-def _pack(xs):
-    "A per-batch history as one tensor (tensors stacked; numbers as float64, which holds python floats exactly), else as it is"
-    if xs and all(isinstance(x, torch.Tensor) and x.shape == xs[0].shape for x in xs): return {'stack': torch.stack(xs)}
-    if xs and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs): return {'float64': torch.tensor(xs, dtype=torch.float64)}
-    return xs
-
-def _unpack(o):
-    "The list `_pack` packed"
-    if isinstance(o, dict) and 'stack' in o: return list(o['stack'].unbind())
-    if isinstance(o, dict) and 'float64' in o: return o['float64'].tolist()
-    return list(o)
-
 def _recorder_state(r):
     "History, smoothed loss and running training metrics"
     sd = _vars_state(r, ('lrs','iters','losses','values'))
@@ -153,10 +142,10 @@ register_state('fastai.callback.fp16.MixedPrecision', _precision_state, _set_pre
 
 # %% ../nbs/00_state.ipynb #21686c69
 def _csv_state(cb):
-    "What the file holds at this point of the run"
+    "What the file holds at this point of the run, and when it was last written"
     f,p = getattr(cb, 'file', None),cb.path/cb.fname
     if f is not None and not f.closed: f.flush()
-    return {'text': p.read_text() if p.exists() else None}
+    return {'text': p.read_text(), 'mtime_ns': p.stat().st_mtime_ns} if p.exists() else {'text': None}
 
 def _set_csv_state(cb, sd):
     if sd.get('text') is None or rank_distrib(): return
@@ -164,6 +153,7 @@ def _set_csv_state(cb, sd):
     was_open = f is not None and not f.closed
     if was_open: f.close()
     p.write_text(sd['text'])
+    if 'mtime_ns' in sd: os.utime(p, ns=(time.time_ns(), sd['mtime_ns']))
     if was_open: cb.file = p.open('a')
 
 register_state('fastai.callback.progress.CSVLogger', _csv_state, _set_csv_state)
@@ -192,79 +182,6 @@ def load_callback_states(learn, sds:dict):
                          f"{sorted(cbs)}; several callbacks of one class are told apart by their order); add them, as in the run that saved "
                          "it, or load the file with `with_iter=False` to start a fresh fit")
     for k,sd in sds.items(): restore_state(cbs[k], sd)
-
-# %% ../nbs/00_state.ipynb #78e8d2b8
-FORMAT_VERSION = 1
-
-def make_checkpoint(model_sd:dict, opt_sd:dict, resume:dict): # `resume` is a resume point, or a record of a finished run
-    "The dictionary saved to disk: stock fastai's `{'model','opt'}` with the resume point inside `opt`"
-    return {'model': model_sd, 'opt': {**opt_sd, 'resume': dict(resume, version=FORMAT_VERSION)}}
-
-def _fsync_dir(d):
-    fd = os.open(d, os.O_RDONLY)
-    try: os.fsync(fd)
-    finally: os.close(fd)
-
-def write_checkpoint(obj, file, durable:bool=True, pickle_protocol:int=2): # fsync the file and its folder
-    "Write `obj` to `file` atomically, and durably if `durable`"
-    file = Path(file)
-    fd,tmp = tempfile.mkstemp(dir=file.parent, prefix=f'.{file.name}.', suffix='.tmp')
-    try:
-        with os.fdopen(fd, 'wb') as f:
-            torch.save(obj, f, pickle_protocol=pickle_protocol)
-            f.flush()
-            if durable: os.fsync(f.fileno())
-        os.replace(tmp, file)
-    except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError): raise OSError(e.errno, f"Could not write {file}: {e.strerror or e}; the previous file is intact") from e
-        raise
-    if durable: _fsync_dir(file.parent)
-    return file
-
-# %% ../nbs/00_state.ipynb #1b71ade7
-class CheckpointError(ValueError):
-    "A file that cannot be loaded as a checkpoint; the message names the file and what is wrong"
-
-def _damage(file):
-    "Why the zip records of `file` fail their checksums (`torch.load` does not check them), or `None`"
-    if not zipfile.is_zipfile(file): return None
-    try:
-        with zipfile.ZipFile(file) as z: bad = z.testzip()
-    except Exception as e: return f"is corrupt ({e})"
-    return f"is corrupt (record {bad} fails its checksum)" if bad else None
-
-def _why_unreadable(file, e):
-    size = Path(file).stat().st_size
-    if size == 0: return "is empty"
-    if (why := _damage(file)) is not None: return why
-    with open(file, 'rb') as f: head = f.read(4)
-    pickled = head[:2] == b'PK' or head[:1] == b'\x80'  # a torch zip file, or a bare pickle
-    if pickled and isinstance(e, pickle.UnpicklingError) and 'unsupported global' in str(e).lower():
-        return "holds Python objects that are not weights; refusing to unpickle it (loading is always weights_only=True)"
-    if head[:2] == b'PK': return f"is truncated or corrupt ({size:,} bytes; {str(e).splitlines()[0]})"
-    return f"is not a PyTorch checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})"
-
-_stock_safe = [L, np.dtype, *[getattr(np.dtypes, n) for n in np.dtypes.__all__]] + ([np._core.multiarray.scalar] if hasattr(np, '_core') else [])
-
-def read_checkpoint(file, map_location='cpu')->dict:
-    "Load `file` with `weights_only=True`, raising `CheckpointError` that says what is wrong with it"
-    file = Path(file)
-    if not file.is_file(): raise CheckpointError(f"{file} does not exist")
-    try:
-        with torch.serialization.safe_globals(_stock_safe): state = torch.load(file, map_location=map_location, weights_only=True)
-    except Exception as e: raise CheckpointError(f"{file} {_why_unreadable(file, e)}") from e
-    if (why := _damage(file)) is not None: raise CheckpointError(f"{file} {why}")  # damaged weights would otherwise load silently
-    if not isinstance(state, dict) or not state: raise CheckpointError(f"{file} holds a {type(state).__name__}, not model weights")
-    rp = resume_record(state)
-    if rp is not None and rp.get('version', 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{file} was written by a newer resumable_train (format {rp['version']}, this one reads {FORMAT_VERSION}); upgrade the package")
-    return state
-
-def resume_record(state:dict):
-    "The resume record inside a loaded checkpoint, or `None` for a stock fastai file"
-    opt = state.get('opt') if set(state) == {'model','opt'} else None
-    return opt.get('resume') if isinstance(opt, dict) else None
 
 # %% ../nbs/00_state.ipynb #13b37f49
 def run_setup(learn, n_epoch:int)->dict:

@@ -22,6 +22,7 @@ from fastai.callback.progress import CSVLogger, ProgressCallback
 from fastai.callback.schedule import *
 if not STOCK:
     import resumable_train
+    from resumable_train.files import *
     from resumable_train.state import *
     from resumable_train.learner import *
 

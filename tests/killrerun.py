@@ -1,0 +1,99 @@
+"""Kill a training script at seeded batches, rerun it to the end, and compare with an uninterrupted run bit for bit.
+
+A script used with this harness:
+- adds `Report()` to its `Learner` (it prints `BATCH fit epoch iter` after every training batch and counts optimizer steps),
+- calls `save_result(learn, out)` at its end (the weights, the optimizer state and the `Recorder`, for `compare`),
+- takes its output file as the first argument, and sleeps `KILLRERUN_SLEEP` seconds per batch when it is set (to leave time for a kill).
+It runs in children forked by `forked.Forker`, so `import fastai` is paid once per test module.
+"""
+import hashlib, os, signal, subprocess, time
+from pathlib import Path
+import torch
+from fastai.callback.core import Callback
+from resumable_train.state import to_plain
+from helpers import diff_values
+
+class Report(Callback):
+    "Print every trained batch as `BATCH fit epoch iter`, and count fit calls and optimizer steps"
+    order = -20
+    def before_fit(self):
+        if getattr(self.learn, '_fitting', True): self.learn.n_fit = getattr(self.learn, 'n_fit', -1) + 1
+    def after_step(self): self.learn.steps = getattr(self.learn, 'steps', 0) + 1
+    def after_batch(self):
+        if not self.training: return
+        print('BATCH', self.learn.n_fit, self.epoch, self.iter, flush=True)
+        if os.environ.get('KILLRERUN_SLEEP'): time.sleep(float(os.environ['KILLRERUN_SLEEP']))
+
+def save_result(learn, out):
+    "Save what `compare` checks: weights, optimizer state, `Recorder` history, step count"
+    rec = learn.recorder
+    torch.save(to_plain(dict(model=learn.model.state_dict(), opt=learn.opt.state_dict(), values=rec.values, losses=rec.losses,
+                             lrs=rec.lrs, iters=rec.iters, steps=getattr(learn, 'steps', 0))), out)
+
+def batches(lines)->list:
+    "The `(fit, epoch, iter)` of every batch a run trained"
+    return [tuple(map(int, l.split()[1:4])) for l in lines if l.startswith('BATCH ')]
+
+def run_until(forker, script, args, stop_after=None, sig=signal.SIGKILL, timeout=120, env=None, cwd=None):
+    "Run `script`; after its `stop_after`-th trained batch send `sig` (never if `None`); return `(returncode, lines)`"
+    env = dict(env or {}, **({'KILLRERUN_SLEEP': '0.05'} if stop_after else {}))
+    p,lines,n = forker.start(script, *args, env=env, cwd=cwd),[],0
+    deadline = time.monotonic() + timeout
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if stop_after and line.startswith('BATCH '):
+                n += 1
+                if n == stop_after:
+                    if sig == signal.SIGKILL: p.kill_group()
+                    else: p.send_signal(sig)
+            if time.monotonic() > deadline: raise subprocess.TimeoutExpired(script, timeout)
+        p.wait(max(1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        p.kill_group()
+        raise AssertionError(f"{script} {args} did not finish within {timeout}s:\n{''.join(lines[-40:])}")
+    finally: p.kill_group()
+    return p.returncode, lines
+
+def run_to_end(forker, script, args, **kwargs)->list:
+    "Run `script` to its end, asserting it succeeded; return its output lines"
+    rc,lines = run_until(forker, script, args, **kwargs)
+    assert rc == 0, f"{script} {args} exited with {rc}:\n{''.join(lines[-40:])}"
+    return lines
+
+def snapshot(folder)->dict:
+    "Every file under `folder` with its size, mtime and sha256: equal snapshots mean nothing was written"
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(Path(folder).rglob('*')) if p.is_file()}
+
+def compare(ref, got, keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters'))->list:
+    "Where two results of `save_result` differ, bitwise (`torch.equal`); `[]` when identical"
+    a,b = torch.load(ref, weights_only=True),torch.load(got, weights_only=True)
+    return [d for k in keys for d in diff_values(a[k], b[k], k)]
+
+def kill_and_rerun(forker, script, args, folder, out, kills, timeout=120, env=None):
+    """Run `script args` in `folder` killed by SIGKILL after each number of batches in `kills` (counted in that run), then to its end,
+    then once more; return `(trained, last)`: the batches of each run, and the `snapshot` before and after the run after completion"""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    trained = []
+    for k in kills:
+        rc,lines = run_until(forker, script, [out, *args], stop_after=k, timeout=timeout, env=env, cwd=folder)
+        assert rc == -signal.SIGKILL, f"run was meant to be killed after batch {k} but exited with {rc}:\n{''.join(lines[-30:])}"
+        trained.append(batches(lines))
+    trained.append(batches(run_to_end(forker, script, [out, *args], timeout=timeout, env=env, cwd=folder)))
+    before = snapshot(folder)
+    again = run_to_end(forker, script, [out, *args], timeout=timeout, env=env, cwd=folder)
+    trained.append(batches(again))
+    return trained, (before, snapshot(folder))
+
+def check_kill_and_rerun(ref_batches, trained, snaps, ref_out, out):
+    "Assert a `kill_and_rerun` ended bitwise like the uninterrupted run, resumed where it stopped, and left a finished run untouched"
+    assert not trained[-1], f"a rerun after completion trained {len(trained[-1])} batches"
+    assert snaps[0] == snaps[1], f"a rerun after completion changed files: {set(snaps[0].items()) ^ set(snaps[1].items())}"
+    for prev,nxt in zip(trained[:-2], trained[1:-1]):
+        assert prev, "a killed run trained no batch"
+        assert nxt and ref_batches.index(nxt[0]) <= ref_batches.index(prev[-1]) + 1, "a rerun skipped batches"
+    last = trained[-2]
+    assert last == ref_batches[len(ref_batches)-len(last):], "the final rerun did not train exactly the rest of the uninterrupted run"
+    d = compare(ref_out, out)
+    assert not d, f"{len(d)} differences from the uninterrupted run, first:\n" + '\n'.join(d[:10])
