@@ -149,7 +149,9 @@ def _decide(self:AutoResume):
     now = run_setup(self.learn, self.n_epoch)
     if i < len(fits) and fits[i] != now:
         raise _different_run(self.folder, self.fname, '; '.join(f"fit call {i} {k}: saved {fits[i].get(k)}, now {v}" for k,v in now.items() if fits[i].get(k) != v))
-    if rec['fit_index'] > i: raise CancelFitException()
+    if rec['fit_index'] > i:
+        self.skipped = True  # nothing to save: this call's end is in an older file, and its state here is not that end
+        raise CancelFitException()
     if rec['fit_index'] < i: return
     self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
     try: _load_through(self.learn, file.absolute().with_suffix(''), with_iter=rec['epoch'] is not None)
