@@ -10,7 +10,6 @@ import argparse, datetime, hashlib, json, sys, time
 from pathlib import Path
 import torch
 from torch import nn
-from fastai.basics import Learner, DataLoaders, DataLoader, Flatten, CrossEntropyLossFlat, accuracy, set_seed, Callback
 from .files import read_checkpoint, resume_record, CheckpointError, _unpack
 
 # %% auto #0
@@ -24,6 +23,8 @@ def digits_learner(path='.', # the folder whose `models/` holds the checkpoints
                   )->Learner:
     "A `Learner` for a small CNN on scikit-learn's 8x8 digits, the same every time it is built with the same `seed`"
     from sklearn.datasets import load_digits
+    from fastai.basics import Learner, DataLoaders, DataLoader, Flatten, CrossEntropyLossFlat, accuracy, set_seed
+    import resumable_train.learner  # noqa: F401 (patches Learner.save/load/fit)
     set_seed(seed, reproducible=True)
     x,y = load_digits(return_X_y=True)
     x,y = torch.tensor(x, dtype=torch.float32).view(-1, 1, 8, 8)/16,torch.tensor(y)
@@ -153,14 +154,14 @@ def _ls(a)->int:
     return 0
 
 # %% ../nbs/04_cli.ipynb #af71e1e5
-class _Pause(Callback):
-    "Wait `secs` after each training batch"
-    def __init__(self, secs:float): self.secs = secs
-    def after_batch(self):
-        if self.training and self.secs: time.sleep(self.secs)
-
 def _demo(a)->int:
+    from fastai.callback.core import Callback
     from resumable_train.autoresume import AutoResume
+    class _Pause(Callback):
+        "Wait `secs` after each training batch"
+        def __init__(self, secs:float): self.secs = secs
+        def after_batch(self):
+            if self.training and self.secs: time.sleep(self.secs)
     torch.set_num_threads(1)
     learn = digits_learner(a.dir.absolute(), cbs=[AutoResume(), _Pause(a.pause)])
     print(f"Training a small CNN on scikit-learn's digits for {a.epochs} epochs, with resume points in {learn.path/learn.model_dir}.\n"
