@@ -83,7 +83,8 @@ def _why_unreadable(file, e):
     if head[:2] == b'PK' or head[:1] == b'\x80':  # a torch zip file, or a bare pickle
         if isinstance(e, pickle.UnpicklingError) and (g := re.search(r'unsupported (?:global: )?GLOBAL ([\w.]+)', str(e), re.I)):
             return f"holds a Python object ({g.group(1)}) that is not weights; refusing to unpickle it (loading is always weights_only=True)"
-        if head[:2] == b'PK': return f"is truncated or corrupt ({size:,} bytes; {_reason(e)})"
+        if head[:2] == b'PK' and not zipfile.is_zipfile(file): return f"is truncated ({size:,} bytes; the end of its zip archive is missing)"
+        if head[:2] == b'PK': return f"is corrupt ({size:,} bytes; {_reason(e)})"
         return f"is a Python pickle, not a PyTorch checkpoint (torch.save writes a zip archive); it cannot be read as weights ({_reason(e)})"
     if all(32 <= b < 127 or b in b'\t\r\n' for b in head):
         return f"is a text file, not a PyTorch checkpoint (it starts with {head.decode()[:30]!r})"
