@@ -91,7 +91,7 @@ def _child(script, args, env, cwd, w):
 
 class Forker:
     "Forks children that run scripts, from a process that imported `modules` once"
-    def __init__(self, modules=('fastai.basics', 'fastai.callback.all', 'resumable_train')):
+    def __init__(self, modules=('fastai.basics', 'fastai.callback.all', 'resumable_train.all')):
         import importlib
         for m in modules: importlib.import_module(m)
 
