@@ -4,7 +4,6 @@ import json, os, random, signal, subprocess, sys, textwrap, time
 from pathlib import Path
 import pytest, torch
 from helpers import PY, run, check_rc
-from forked import Forker
 
 CMD = str(Path(sys.executable).parent/'resumable-train')
 
@@ -15,11 +14,11 @@ def digest(out):
     return m.group(1)
 
 @pytest.fixture(scope='module')
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, forker):
     "An uninterrupted demo run, and one stopped by SIGINT in its second epoch, then rerun: forked children of one process"
     tmp = tmp_path_factory.mktemp('cli')
     assert Path(CMD).exists(), f"{CMD} is not installed: pip install -e ."
-    fk = Forker()
+    fk = forker
     ref = fk.start(CMD, 'demo', '--dir', tmp/'ref', '--epochs', '2', '--pause', '0')
     cut = fk.start(CMD, 'demo', '--dir', tmp/'cut', '--epochs', '2')
     first = tmp/'cut'/'models'/'autoresume-0001.pth'  # written at the end of the first epoch
