@@ -96,7 +96,7 @@ def _bytes(n):
 
 def _pos(p):
     "A resume point's position numbered as fastai's progress bar numbers it: epochs and batches from 1, batches done so far"
-    if p['iter'] == 0: return f"start of epoch {p['epoch']+1}/{p['n_epoch']}"
+    if p['iter'] == 0: return f"after epoch {p['epoch']}/{p['n_epoch']}" if p['epoch'] else f"start of epoch 1/{p['n_epoch']}"
     return f"epoch {p['epoch']+1}/{p['n_epoch']}, after batch {p['iter']}/{p['n_iter']}"
 
 def _where(info):
