@@ -3,7 +3,7 @@
 # then the process-level tests. `bash tests/run.sh --update-outputs` instead reruns the notebooks and writes their outputs into them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=1 PYTHONHASHSEED=0
+export OMP_NUM_THREADS=1 PYTHONHASHSEED=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout, even if another is installed
 if [ "${1:-}" = --update-outputs ]; then python tests/notebooks.py --update; nbdev-clean; exit; fi
 start=$(date +%s)
 logs=$(mktemp -d); trap 'rm -rf "$logs"' EXIT
