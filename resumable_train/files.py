@@ -6,7 +6,7 @@ Docs: https://resumable-train.github.io/resumable_train/files.html.md"""
 
 # %% ../nbs/00a_files.ipynb #a214dd43
 from __future__ import annotations
-import os, tempfile, zipfile, pickle
+import os, re, tempfile, warnings, zipfile, pickle
 from pathlib import Path
 import numpy as np, torch
 from fastcore.foundation import L
@@ -69,25 +69,38 @@ def _damage(file):
     except Exception as e: return f"is corrupt ({e})"
     return f"is corrupt (record {bad} fails its checksum)" if bad else None
 
+def _reason(e):
+    "The reason in torch's error `e`, without its advice (torch suggests `weights_only=False`, which would run code from the file)"
+    msg = str(e).split('WeightsUnpickler error:', 1)[-1]
+    line = next((l.strip() for l in msg.splitlines() if l.strip()), type(e).__name__)
+    return type(e).__name__ if 'weights_only' in line else line
+
 def _why_unreadable(file, e):
     size = Path(file).stat().st_size
     if size == 0: return "is empty"
     if (why := _damage(file)) is not None: return why
-    with open(file, 'rb') as f: head = f.read(4)
-    pickled = head[:2] == b'PK' or head[:1] == b'\x80'  # a torch zip file, or a bare pickle
-    if pickled and isinstance(e, pickle.UnpicklingError) and 'unsupported global' in str(e).lower():
-        return "holds Python objects that are not weights; refusing to unpickle it (loading is always weights_only=True)"
-    if head[:2] == b'PK': return f"is truncated or corrupt ({size:,} bytes; {str(e).splitlines()[0]})"
-    return f"is not a PyTorch checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})"
+    with open(file, 'rb') as f: head = f.read(64)
+    if head[:2] == b'PK' or head[:1] == b'\x80':  # a torch zip file, or a bare pickle
+        if isinstance(e, pickle.UnpicklingError) and (g := re.search(r'unsupported (?:global: )?GLOBAL ([\w.]+)', str(e), re.I)):
+            return f"holds a Python object ({g.group(1)}) that is not weights; refusing to unpickle it (loading is always weights_only=True)"
+        if head[:2] == b'PK' and not zipfile.is_zipfile(file): return f"is truncated ({size:,} bytes; the end of its zip archive is missing)"
+        if head[:2] == b'PK': return f"is corrupt ({size:,} bytes; {_reason(e)})"
+        return f"is a Python pickle, not a PyTorch checkpoint (torch.save writes a zip archive); it cannot be read as weights ({_reason(e)})"
+    if all(32 <= b < 127 or b in b'\t\r\n' for b in head):
+        return f"is a text file, not a PyTorch checkpoint (it starts with {head.decode()[:30]!r})"
+    return "is not a PyTorch checkpoint: torch.save writes a zip archive, and this file is neither a zip archive nor a pickle"
 
 _stock_safe = [L, np.dtype, *[getattr(np.dtypes, n) for n in np.dtypes.__all__]] + ([np._core.multiarray.scalar] if hasattr(np, '_core') else [])
 
 def read_checkpoint(file, map_location='cpu')->dict:
     "Load `file` with `weights_only=True`, raising `CheckpointError` that says what is wrong with it"
     file = Path(file)
+    if file.is_dir(): raise CheckpointError(f"{file} is a folder, not a checkpoint file")
     if not file.is_file(): raise CheckpointError(f"{file} does not exist")
     try:
-        with torch.serialization.safe_globals(_stock_safe): state = torch.load(file, map_location=map_location, weights_only=True)
+        with torch.serialization.safe_globals(_stock_safe), warnings.catch_warnings():
+            warnings.simplefilter('ignore')  # torch's warnings about pickle protocols: the error below says what is wrong
+            state = torch.load(file, map_location=map_location, weights_only=True)
     except Exception as e: raise CheckpointError(f"{file} {_why_unreadable(file, e)}") from e
     if (why := _damage(file)) is not None: raise CheckpointError(f"{file} {why}")  # damaged weights would otherwise load silently
     if not isinstance(state, dict) or not state: raise CheckpointError(f"{file} holds a {type(state).__name__}, not model weights")

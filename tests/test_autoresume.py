@@ -1,17 +1,21 @@
 "Kill a training script that uses AutoResume (SIGKILL, SIGTERM, during a write), rerun it: it ends bitwise where an uninterrupted run ends."
-import os, queue, random, signal, sys, threading, time
+import queue, random, signal, threading, time
 from pathlib import Path
 import pytest, torch
-import subprocess
-import helpers
-from helpers import PY, TESTS, kill_group, diff_values
+from helpers import TESTS, kill_group, diff_values
 
 SCRIPT = str(TESTS/'autoresume_script.py')
 
+FORKER = None  # set by the `_forker` fixture: the script runs in children forked from the test process (see forked.py)
+
+@pytest.fixture(scope='module', autouse=True)
+def _forker(forker):
+    global FORKER
+    FORKER = forker
+
 def launch(d, out, *args):
-    "Start the script; return the process and a queue of its stdout lines"
-    p = subprocess.Popen([PY, SCRIPT, '--dir', str(d), '--out', str(out), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, env=helpers.test_env(), start_new_session=True)
+    "Start the script in a forked child; return the process and a queue of its output lines"
+    p = FORKER.start(SCRIPT, '--dir', str(d), '--out', str(out), *args)
     q = queue.Queue()
     def pump():
         for line in p.stdout: q.put(line)
