@@ -6,7 +6,7 @@ Docs: https://resumable-train.github.io/resumable_train/autoresume.html.md"""
 
 # %% ../nbs/02_autoresume.ipynb #d52bcc89
 from __future__ import annotations
-import fcntl, os, re, signal, socket, threading, time, warnings
+import fcntl, os, re, signal, struct, threading, time, warnings
 from pathlib import Path
 import torch, torch.distributed as dist
 from fastcore.basics import store_attr, patch
@@ -92,6 +92,13 @@ def _tmp_files(folder, fname):
     pat = re.compile(rf'\.{re.escape(fname)}-\d+\.pth\.\w+\.tmp')
     return [p for p in Path(folder).iterdir() if pat.fullmatch(p.name)] if Path(folder).is_dir() else []
 
+def _holder(fd)->str:
+    "The process that holds the lock on `fd`, as the system reports it"
+    fmt = '@hhqqi'  # struct flock: l_type, l_whence, l_start, l_len, l_pid
+    try: pid = struct.unpack_from(fmt, fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack(fmt, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0).ljust(64, b'\0')))[-1]
+    except OSError: return "another process"
+    return f"another process (pid {pid})" if pid > 0 else "another process"
+
 def _lock_run(folder, fname, wait:float=0)->Path:
     "Hold run `fname`'s lock in `folder`, waiting at most `wait` seconds for another process to release it; remove the run's stale temporary files"
     f = (Path(folder)/f'.{fname}.lock').absolute()
@@ -102,16 +109,16 @@ def _lock_run(folder, fname, wait:float=0)->Path:
         try: fcntl.lockf(fd, fcntl.LOCK_EX|fcntl.LOCK_NB); break
         except OSError:
             if time.monotonic() < deadline: time.sleep(0.1); continue
-            holder = os.pread(fd, 200, 0).decode(errors='replace').strip() or 'unknown'
+            holder = _holder(fd)
             os.close(fd)
-            raise RuntimeError(f"{f.parent} is in use: another process ({holder}) is training run '{fname}' there. Wait until it ends "
+            raise RuntimeError(f"{f.parent} is in use: {holder} is training run '{fname}' there. Wait until it ends "
                                "(AutoResume(wait=...) waits for it), stop it, or give AutoResume another fname") from None
-    os.ftruncate(fd, 0); os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     _held[str(f)] = fd
     for p in _tmp_files(folder, fname): p.unlink(missing_ok=True)  # writes that a kill interrupted: no live process writes them now
     return f
 
 def _unlock_run(f):
+    "Let other processes train the run again (for tests: a process holds its runs until it ends)"
     fd = _held.pop(str(f), None)
     if fd is not None: os.close(fd)  # closing releases the lock
 
@@ -142,7 +149,7 @@ class AutoResume(Callback):
         if not (isinstance(keep, int) and keep >= 1):
             raise ValueError(f"AutoResume(keep={keep!r}): keep at least 1 resume point; with none, a stopped run could not continue")
         store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait')
-        self.done,self.fits,self.ends,self.unfinished,self.lock = 0,[],[],False,None
+        self.done,self.fits,self.ends,self.unfinished = 0,[],[],False
         self.writer,self.buffers = _Writer(background),None
 
     @property
@@ -173,7 +180,7 @@ def _scan(self:AutoResume):
     file,rec,err = None,None,None
     if not rank_distrib():
         try:
-            self.lock = _lock_run(self.folder, self.fname, self.wait)
+            _lock_run(self.folder, self.fname, self.wait)
             file,state = newest_valid(self.folder, self.fname)
             rec = None if file is None else resume_record(state)
         except RuntimeError as e: err = str(e)
@@ -192,7 +199,7 @@ def _hypers_changed(self:AutoResume, saved, plan, file, then):
     ch = [] if plan is None else _plan_changes(saved, plan)
     if not ch: return
     msg = f"AutoResume: fit call {self.fit_index+1} was asked for other hyperparameters than {file} was written with ({'; '.join(ch)})"
-    if self.strict_hypers: raise _different_run(self.folder, self.fname, f"{msg}; undo the change to continue it")
+    if self.strict_hypers: raise CheckpointError(f"{msg}. To continue it, undo the change; to start fresh, delete {self.folder}/{self.fname}-*.pth or give AutoResume another fname")
     warnings.warn(f"{msg}; {then} (strict_hypers=True refuses)")
 
 @patch
@@ -309,7 +316,7 @@ def before_fit(self:AutoResume):
     if self.added_seed: self.learn.add_cb(SeedBatches())
     try: self._decide(plan)
     except CancelFitException: raise
-    except BaseException: self._cleanup(); raise  # a refusal leaves the run to others
+    except BaseException: self._cleanup(); raise
     self.unfinished,self.last_save = True,time.monotonic()
     self._install_handlers()
 
@@ -344,7 +351,6 @@ def _cleanup(self:AutoResume):
         seeds = L(self.learn.cbs).filter(lambda cb: isinstance(cb, SeedBatches))
         for cb in seeds: cb.after_train()  # a stop inside the training phase left its patches on the DataLoader
         self.learn.remove_cbs(seeds)
-    if self.lock is not None: _unlock_run(self.lock); self.lock = None
 
 @patch
 def after_cancel_fit(self:AutoResume):

@@ -9,7 +9,7 @@ signal, as Popen reports it).
 
 Fork only from a process that has not trained anything (no OpenMP threads started): the test process only imports.
 """
-import io, os, runpy, signal, subprocess, sys, threading, time, traceback
+import io, os, runpy, signal, subprocess, sys, threading, time, traceback, warnings
 
 class ForkedChild:
     "A forked child running a script; the subset of `subprocess.Popen` the tests use"
@@ -59,6 +59,10 @@ class ForkedChild:
         done.wait(10)
         return ''.join(out), ''
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    "Print a warning to stderr, as a fresh process does"
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
 def _child(script, args, env, cwd, w):
     "Run in the forked child: become a new session, send output to `w`, run `script` as `__main__`, never return"
     code = 1
@@ -70,6 +74,7 @@ def _child(script, args, env, cwd, w):
         sys.stdin = open(os.devnull)
         for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP): signal.signal(s, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        warnings.showwarning = _show_warning  # pytest records warnings in the test process, and a fork would inherit that
         os.environ.update(env or {})
         if cwd: os.chdir(cwd)
         sys.argv = [str(script), *map(str, args)]
