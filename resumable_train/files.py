@@ -224,11 +224,10 @@ def _compressed(file):
     try:
         with zipfile.ZipFile(file) as z: infos = z.infolist()
     except Exception as e: return f"is corrupt ({e})"
-    size = Path(file).stat().st_size
-    for i in infos:
-        if i.compress_type != zipfile.ZIP_STORED or i.file_size != i.compress_size or i.file_size > size:
-            return (f"holds a compressed record ({i.filename}: {i.compress_size:,} bytes that would expand to {i.file_size:,}); "
-                    "torch.save never compresses, so refusing to expand it")
+    packed = [i for i in infos if i.compress_type != zipfile.ZIP_STORED or i.file_size != i.compress_size]
+    if packed or sum(i.file_size for i in infos) > Path(file).stat().st_size:
+        return (f"holds compressed records ({sum(i.compress_size for i in packed):,} bytes that would expand to "
+                f"{sum(i.file_size for i in packed):,}); torch.save never compresses, so refusing to expand them")
 
 def _why_unreadable(file, e):
     size = Path(file).stat().st_size
