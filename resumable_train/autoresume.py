@@ -196,7 +196,7 @@ def _scan(self:AutoResume):
 @patch
 def _hypers_changed(self:AutoResume, saved, plan, file, then):
     "Warn, or with `strict_hypers` refuse, when this fit call was asked for other hyperparameters than `file` was written with"
-    ch = [] if plan is None else _plan_changes(saved, plan)
+    ch = _plan_changes(saved, plan)
     if not ch: return
     msg = f"AutoResume: fit call {self.fit_index+1} was asked for other hyperparameters than {file} was written with ({'; '.join(ch)})"
     if self.strict_hypers: raise CheckpointError(f"{msg}. To continue it, undo the change; to start fresh, delete {self.folder}/{self.fname}-*.pth or give AutoResume another fname")
@@ -204,7 +204,7 @@ def _hypers_changed(self:AutoResume, saved, plan, file, then):
 
 @patch
 def _load_end(self:AutoResume, file, plan, i):
-    "Leave the Learner as fit call `i` left it: the end state in `file` (checking the hyperparameters against `plan`, if given)"
+    "Leave the Learner as fit call `i` left it: the end state in `file` (checking the hyperparameters against `plan`)"
     try: rec = resume_record(read_checkpoint(file))
     except CheckpointError as e: raise _different_run(self.folder, self.fname, f"the end state of fit call {i+1} cannot be used: {e}") from e
     if rec is None or rec.get('fit_index') != i or rec.get('epoch') is not None:
@@ -222,10 +222,11 @@ def _decide(self:AutoResume, plan):
     "Skip, resume or start this fit call, from the newest valid resume point of the run (see above)"
     i,now = self.fit_index,self.fits[-1]
     file,rec = self._scan()
+    if self.unfinished and (file is None or rec.get('fit_index', -1) < i):
+        raise CheckpointError(f"AutoResume: fit call {i+1} stopped in this process before it wrote a resume point in {self.folder}, so the "
+                              "Learner no longer holds the state that call started from. Build the Learner again and run its fit calls "
+                              "again: the completed ones are loaded, not trained again")
     if file is None:
-        if self.unfinished and i == 0:
-            raise CheckpointError(f"AutoResume: fit call 1 stopped in this process before it wrote a resume point in {self.folder}, so the "
-                                  "Learner no longer holds the state it started from; build the Learner again to start fresh")
         self.ends = self.ends[:i]
         return
     if rec.get('fit_index') is None: raise _different_run(self.folder, self.fname, f"{file.name} was not written by AutoResume")
@@ -251,9 +252,6 @@ def _decide(self:AutoResume, plan):
     if (f, end) != (i-1, True):
         raise _different_run(self.folder, self.fname, f"its newest resume point is {_describe(rec)}, but this process has already finished "
                              f"fit call {i}: the files changed while it ran")
-    if self.unfinished:
-        self._say(f"AutoResume: fit call {i+1} stopped before its first resume point; starting it again from {file} ({_describe(rec)})")
-        self._load_end(file, None, i-1)
     self.ends = list(ends[:i])
 
 # %% ../nbs/02_autoresume.ipynb #a43a4e2d

@@ -170,8 +170,18 @@ def fit_plan(learn)->dict:
     hypers = [{k:v for k,v in h.items() if k not in scheds} for h in (learn.opt.hypers if learn.opt is not None else [])]
     return to_plain(dict(schedule=scheds, hypers=hypers, loss=_settings(learn.loss_func), opt=_settings(learn.opt_func)))
 
-def _same(a, b): return torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else type(a) == type(b) and a == b
-def _txt(v): return f"{v:.4g}" if isinstance(v, float) else str([round(x, 6) for x in v.tolist()] if isinstance(v, torch.Tensor) and v.dim() else v.item() if isinstance(v, torch.Tensor) else v)
+def _nums(v): return torch.as_tensor(v, dtype=torch.float64).flatten() if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else None
+
+def _same(a, b):
+    "Equal values; numbers equal whether a scalar, a one-group array or one value per group (`lr_max=1e-2` or `array([1e-2])`)"
+    x,y = _nums(a),_nums(b)
+    if x is None or y is None: return type(a) == type(b) and a == b
+    return (len(x) == len(y) or 1 in (len(x), len(y))) and bool((x == y).all())
+
+def _txt(v):
+    x = _nums(v)
+    if x is None: return str(v)
+    return f"{x[0].item():.4g}" if len(x) == 1 or bool((x == x[0]).all()) else '[' + ', '.join(f"{e:.4g}" for e in x.tolist()) + ']'
 
 def _plan_changes(saved:dict|None, now:dict)->list:
     "What differs between two `fit_plan`s, in words (nothing for a resume point written before plans were kept)"
