@@ -170,9 +170,10 @@ def _describe(rec):
            f"end of epoch {rec.get('last_epoch', s['n_epoch']-1)+1}/{s['n_epoch']}")
     return f"fit call {i+1}, {pos}" if len(rec['fits']) > 1 else pos
 
-def _different_run(folder, fname, diff):
-    return CheckpointError(f"{folder} holds resume points of a different run ({diff}). To start fresh, delete "
-                           f"{folder}/{fname}-*.pth or give AutoResume another fname")
+def _refusal(folder, fname, what):
+    return CheckpointError(f"{what}. To start fresh, delete {folder}/{fname}-*.pth or give AutoResume another fname")
+
+def _different_run(folder, fname, diff): return _refusal(folder, fname, f"{folder} holds resume points of a different run ({diff})")
 
 @patch
 def _scan(self:AutoResume):
@@ -206,9 +207,9 @@ def _hypers_changed(self:AutoResume, saved, plan, file, then):
 def _load_end(self:AutoResume, file, plan, i):
     "Leave the Learner as fit call `i` left it: the end state in `file` (checking the hyperparameters against `plan`)"
     try: rec = resume_record(read_checkpoint(file))
-    except CheckpointError as e: raise _different_run(self.folder, self.fname, f"the end state of fit call {i+1} cannot be used: {e}") from e
+    except CheckpointError as e: raise _refusal(self.folder, self.fname, f"AutoResume: fit call {i+1} finished in an earlier run, but its end state cannot be loaded: {e}") from e
     if rec is None or rec.get('fit_index') != i or rec.get('epoch') is not None:
-        raise _different_run(self.folder, self.fname, f"{file} is named as the end state of fit call {i+1} but does not hold it")
+        raise _refusal(self.folder, self.fname, f"AutoResume: {file} is named as the end state of fit call {i+1} but does not hold it")
     self._hypers_changed(rec.get('plan'), plan, file, "its result is used as it is")
     self.learn.load(file.absolute().with_suffix(''), with_iter=False)
     _restore_streams(self.learn, rec)
@@ -235,7 +236,7 @@ def _decide(self:AutoResume, plan):
         raise _different_run(self.folder, self.fname, '; '.join(f"fit call {i+1} {k}: saved {fits[i].get(k)}, now {v}" for k,v in now.items() if fits[i].get(k) != v))
     if f > i or (f == i and end):
         name = file.name if f == i else ends[i] if i < len(ends) else None
-        if name is None: raise _different_run(self.folder, self.fname, f"fit call {i+1} finished in an earlier run, but {file.name} does not name the file of its end state")
+        if name is None: raise _refusal(self.folder, self.fname, f"AutoResume: fit call {i+1} finished in an earlier run, but {file} does not name the file of its end state")
         end_rec = self._load_end(self.folder/name, plan, i)
         if f == i: self._say(f"AutoResume: this run already finished at {file} ({_describe(end_rec)}); nothing to train. "
                              f"Delete {self.folder}/{self.fname}-*.pth to train again.")
@@ -250,8 +251,8 @@ def _decide(self:AutoResume, plan):
         self.ends = list(ends[:i])
         return
     if (f, end) != (i-1, True):
-        raise _different_run(self.folder, self.fname, f"its newest resume point is {_describe(rec)}, but this process has already finished "
-                             f"fit call {i}: the files changed while it ran")
+        raise _refusal(self.folder, self.fname, f"AutoResume: the newest resume point in {self.folder} is at {_describe(rec)}, but this process "
+                       f"has already finished fit call {i}: the files changed while it ran")
     self.ends = list(ends[:i])
 
 # %% ../nbs/02_autoresume.ipynb #a43a4e2d

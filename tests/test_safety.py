@@ -248,3 +248,18 @@ def test_messages_numbered_as_the_bar(forker, refs, tmp_path):
     lines = run_to_end(forker, SCRIPT, [tmp_path/'out.pth'], cwd=run)
     assert 'AutoResume: fit call 1 finished in an earlier run' in text(lines)
     assert re.search(r'AutoResume: continuing from \S+autoresume-\d+\.pth \(fit call 2, epoch 1/2, batch 3/6\)', text(lines)), text(lines)[-2000:]
+
+def test_missing_ledger_end_refused(forker, tmp_path):
+    "The end state of a completed call deleted by hand: the call cannot be skipped exactly, so the rerun is refused, saying how to start fresh"
+    run,out = tmp_path/'run',tmp_path/'out.pth'
+    run.mkdir()
+    rc,_ = run_until(forker, SCRIPT, [out], stop_after=PER_CALL+3, cwd=run)
+    assert rc == -signal.SIGKILL
+    newest = sorted((run/'models').glob('autoresume-*.pth'))[-1]
+    end0 = run/'models'/torch.load(newest, weights_only=True)['opt']['resume']['ends'][0]
+    end0.unlink()
+    rc,lines = run_until(forker, SCRIPT, [out], cwd=run)
+    t = text(lines)
+    assert rc != 0 and batches(lines) == [], t[-2000:]
+    assert f'fit call 1 finished in an earlier run, but its end state cannot be loaded: models/{end0.name} does not exist' in t, t[-2000:]
+    assert 'To start fresh, delete models/autoresume-*.pth' in t
