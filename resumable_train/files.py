@@ -147,6 +147,16 @@ def _position(r):
         _tensor(er.get('torch'), 'epoch_rng.torch', torch.uint8)
         if er.get('dl') is not None: _py_rng(er['dl'], 'epoch_rng.dl')
 
+_NUMERIC_HYPERS = {'lr', 'mom', 'sqr_mom', 'wd', 'eps', 'beta', 'momentum', 'weight_decay'}
+
+def _hyper(v, field, numeric):
+    "A hyperparameter: a number (`lr`, `wd`, ...), or a plain setting of a wrapped PyTorch optimizer (`amsgrad`, `foreach`, ...)"
+    if _is_num(v) or isinstance(v, torch.Tensor) and v.numel() == 1: return
+    if numeric: _fail(field, f"is {v!r}, not a number")
+    if isinstance(v, (list, tuple)):
+        for i,x in enumerate(v): _hyper(x, f"{field}[{i}]", False)
+    elif not isinstance(v, (bool, str, type(None))): _fail(field, f"is a {type(v).__name__}, not a setting")
+
 def _history(r):
     "Check the `Recorder`'s history against the number of batches trained"
     rec = r.get('callbacks', {}).get('recorder')
@@ -181,12 +191,11 @@ def check_record(r:dict, opt:dict|None=None): # `opt`: the optimizer state saved
         if isinstance(opt, dict) and isinstance(opt.get('hypers'), (list, tuple)) and len(hs) != len(opt['hypers']):
             _fail('hypers', f"has {len(hs)} parameter groups, the optimizer state {len(opt['hypers'])}")
         for i,h in enumerate(hs):
-            for k,v in _of(h, f'hypers[{i}]', dict).items():
-                if not (_is_num(v) or isinstance(v, torch.Tensor) and v.numel() == 1): _fail(f'hypers[{i}].{k}', f"is {v!r}, not a number")
+            for k,v in _of(h, f'hypers[{i}]', dict).items(): _hyper(v, f'hypers[{i}].{k}', k in _NUMERIC_HYPERS)
     if 'rng' in r: _rng(r['rng'])
     for i,s in enumerate(_of(r.get('dl_rngs', []), 'dl_rngs', list, tuple)):
         if s is not None: _py_rng(s, f'dl_rngs[{i}]')
-    for k,v in _of(r.get('callbacks', {}), 'callbacks', dict).items(): _of(v, f'callbacks.{k}', dict)
+    for k in _of(r.get('callbacks', {}), 'callbacks', dict): _of(k, f'callbacks key {k!r}', str)  # each callback checks its own state
     _history(r)
     for i,n in enumerate(_of(r.get('metric_names', []), 'metric_names', list, tuple)): _of(n, f'metric_names[{i}]', str)
     for i,g in enumerate(_of(r.get('grads', []), 'grads', list, tuple)):
