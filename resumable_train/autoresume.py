@@ -215,7 +215,7 @@ def _load_end(self:AutoResume, file, plan, i):
     _restore_streams(self.learn, rec)
     self.learn.train_iter,self.learn.pct_train = rec['train_iter'],rec['pct_train']
     if rec.get('last_epoch') is not None: self.learn.epoch = rec['last_epoch']
-    self.ends = list(rec['ends'][:i+1])
+    self.ends = list(rec.get('ends', [])[:i]) + [file.name]  # records of 0.1.0 have no ledger
     return rec
 
 @patch
