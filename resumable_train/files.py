@@ -199,7 +199,7 @@ def check_record(r:dict, opt:dict|None=None): # `opt`: the optimizer state saved
     _history(r)
     for i,n in enumerate(_of(r.get('metric_names', []), 'metric_names', list, tuple)): _of(n, f'metric_names[{i}]', str)
     for i,g in enumerate(_of(r.get('grads', []), 'grads', list, tuple)):
-        if not (g is None or g == 0 and _is_int(g) or isinstance(g, torch.Tensor) and g.is_floating_point()): _fail(f'grads[{i}]', f"is {g!r}, not a gradient")
+        if not (g is None or isinstance(g, torch.Tensor) and g.is_floating_point() or _is_int(g) and g == 0): _fail(f'grads[{i}]', f"is {g!r}, not a gradient")
     for k in ('meta', 'plan'): _of(r.get(k, {}), k, dict)
     if 'fit_index' in r: _fit_ledger(r)
 
