@@ -10,6 +10,7 @@ import hashlib, importlib.abc, importlib.machinery, inspect, itertools, math, os
 from contextlib import contextmanager
 from functools import partial, wraps
 import numpy as np, torch, fastai, torch.distributed as dist
+from torch import nn
 from fastcore.basics import patch, GetAttr, noop
 from fastcore.foundation import L
 from fastai.torch_core import get_model, distrib_barrier, rank_distrib
@@ -22,7 +23,7 @@ from .state import *
 from .state import _qualname
 
 # %% auto #0
-__all__ = ['fastai_changes', 'check_fastai', 'SeedBatches', 'resume_point', 'SkipToIter', 'checkpoint']
+__all__ = ['fastai_changes', 'check_fastai', 'SeedBatches', 'resume_point', 'fit_plan', 'SkipToIter', 'checkpoint']
 
 # %% ../nbs/01_learner.ipynb #b586a816
 _TESTED_FASTAI = '2.8.8 to 2.8.12'
@@ -201,8 +202,65 @@ def resume_point(learn)->dict|None:
         setup=run_setup(learn, learn.n_epoch), hypers=learn.opt.hypers, rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders],
         dl_states=dl_states(learn), modules=module_states(learn.model),
         epoch_rng=skip.epoch_rng if it else None, callbacks=callback_states(learn),
-        metric_names=_value_names(learn),
+        metric_names=_value_names(learn), plan=fit_plan(learn),
         grads=[_grad_state(p) for p in learn.model.parameters()], meta=_meta()))
+
+# %% ../nbs/01_learner.ipynb #7426aeea
+_PCTS = (0., .1, .25, .5, .75, .9, 1.)
+
+def _settings(o, depth=2)->str:
+    "A function's or object's name and its plain settings, such as `Adam(eps=1e-05)` or `FlattenedLoss(CrossEntropyLoss(...), axis=-1)`"
+    if isinstance(o, partial): return f"{_settings(o.func)}({', '.join(f'{k}={v!r}' for k,v in sorted(o.keywords.items()))})"
+    name = getattr(o, '__qualname__', None) or type(o).__name__
+    if isinstance(o, type) or callable(o) and not hasattr(o, '__dict__') or inspect.isroutine(o) or not depth: return name
+    vs = sorted((k,v) for k,v in vars(o).items() if not k.startswith('_') and k != 'training')
+    parts = [_settings(v, depth-1) for k,v in vs if isinstance(v, nn.Module) or k == 'func']
+    parts += [f"{k}={v!r}" for k,v in vs if isinstance(v, (bool, int, float, str, type(None)))]
+    return f"{type(o).__name__}({', '.join(parts)})"
+
+def fit_plan(learn)->dict:
+    "What the running fit call was asked to do beyond its setup: hyperparameters and their schedules, loss function, optimizer"
+    sched = next((cb for cb in learn.cbs if isinstance(cb, ParamScheduler)), None)
+    scheds = {k: [to_plain(f(p)) for p in _PCTS] for k,f in (sched.scheds.items() if sched else [])}
+    hypers = [{k:v for k,v in h.items() if k not in scheds} for h in (learn.opt.hypers if learn.opt is not None else [])]
+    return to_plain(dict(schedule=scheds, hypers=hypers, loss=_settings(learn.loss_func), opt=_settings(learn.opt_func)))
+
+def _nums(v): return torch.as_tensor(v, dtype=torch.float64).flatten() if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else None
+
+def _same(a, b):
+    "Equal values; numbers equal whether a scalar, a one-group array or one value per group (`lr_max=1e-2` or `array([1e-2])`)"
+    x,y = _nums(a),_nums(b)
+    if x is None or y is None: return type(a) == type(b) and a == b
+    return (len(x) == len(y) or 1 in (len(x), len(y))) and bool((x == y).all())
+
+def _txt(v):
+    x = _nums(v)
+    if x is None: return str(v)
+    return f"{x[0].item():.4g}" if len(x) == 1 or bool((x == x[0]).all()) else '[' + ', '.join(f"{e:.4g}" for e in x.tolist()) + ']'
+
+def _plan_changes(saved:dict|None, now:dict)->list:
+    "What differs between two `fit_plan`s, in words (nothing for a resume point written before plans were kept)"
+    if not saved: return []
+    out = []
+    for k in sorted(set(saved['schedule']) | set(now['schedule'])):
+        a,b = saved['schedule'].get(k),now['schedule'].get(k)
+        if a is None or b is None: out.append(f"{k}: {'scheduled' if a else 'not scheduled'} before, {'scheduled' if b else 'not scheduled'} now")
+        else: out += [f"{k} at {p:.0%} of the fit: saved {_txt(x)}, now {_txt(y)}" for p,x,y in zip(_PCTS, a, b) if not _same(x, y)][:1]
+    hs,hn = saved['hypers'],now['hypers']
+    if len(hs) != len(hn): out.append(f"parameter groups: saved {len(hs)}, now {len(hn)}")
+    for k in sorted({k for h in hs+hn for k in h}):
+        diff = [(g, a.get(k), b.get(k)) for g,(a,b) in enumerate(zip(hs, hn)) if not _same(a.get(k), b.get(k))]
+        if diff: out.append(f"{k}{f' (group {diff[0][0]})' if len(hs) > 1 else ''}: saved {_txt(diff[0][1])}, now {_txt(diff[0][2])}")
+    out += [f"{n}: saved {saved[k]}, now {now[k]}" for k,n in (('loss', 'loss function'), ('opt', 'optimizer')) if saved[k] != now[k]]
+    return out
+
+def _check_plan(saved, now, file, strict=False):
+    "Warn, or with `strict` refuse, when the fit call continuing the resume point in `file` was asked for other hyperparameters"
+    ch = _plan_changes(saved, now)
+    if not ch: return
+    msg = f"{file} was written by a fit call with other hyperparameters ({'; '.join(ch)})"
+    if strict: raise CheckpointError(f"{msg}. Undo the change to continue it, or delete the file to start fresh")
+    warnings.warn(f"{msg}; continuing anyway, so the result matches neither run (strict_hypers=True refuses)", stacklevel=2)
 
 # %% ../nbs/01_learner.ipynb #34e07e63
 class SkipToIter(Callback):
@@ -216,6 +274,7 @@ class SkipToIter(Callback):
         self.rp = rp = self.learn.__dict__.pop('_resume', None)
         if rp is not None:
             if rp['check']: check_setup(rp['setup'], run_setup(self.learn, self.n_epoch), rp['file'])
+            if rp.get('strict_hypers') is not None: _check_plan(rp.get('plan'), fit_plan(self.learn), rp['file'], rp['strict_hypers'])
             self.start_epoch,self.start_iter = rp['epoch'],rp['iter']
             for k in rp['hypers'][0]: self.opt.set_hyper(k, [h[k] for h in rp['hypers']])
             for p,g in zip(self.model.parameters(), rp['grads']): _set_grad(p, g)
@@ -319,6 +378,7 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
          with_iter:bool=True, # continue from the resume point, if the file holds one
          strict:bool=True, # as for `Module.load_state_dict`
          check_setup:bool=True, # refuse a resume point from a run with another setup
+         strict_hypers:bool|None=False, # when the next fit was asked for other hyperparameters than the resume point's: refuse (True), warn (False), say nothing (None)
          **kwargs # ignored: loading is always `weights_only=True`
         ):
     "Load model and optimizer state from `learn.path/learn.model_dir/file`; the next `fit` continues a resume point"
@@ -344,7 +404,7 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
         self.__dict__.pop('_resume', None)
         if with_iter and with_opt and rec is not None and rec.get('epoch') is not None:
             _check_world(rec, file)
-            self._resume = dict(rec, file=str(file), check=check_setup)
+            self._resume = dict(rec, file=str(file), check=check_setup, strict_hypers=strict_hypers)
     return self
 
 # %% ../nbs/01_learner.ipynb #649a4b94
