@@ -218,9 +218,13 @@ def _settings(o, depth=2)->str:
     parts += [f"{k}={v!r}" for k,v in vs if isinstance(v, (bool, int, float, str, type(None)))]
     return f"{type(o).__name__}({', '.join(parts)})"
 
+def _is_a(o, cls:str)->bool:
+    "Is `o` an instance of the class named `cls` (module and name), without importing it?"
+    return any(f'{c.__module__}.{c.__qualname__}' == cls for c in type(o).__mro__)
+
 def fit_plan(learn)->dict:
     "What the running fit call was asked to do beyond its setup: hyperparameters and their schedules, loss function, optimizer"
-    sched = next((cb for cb in learn.cbs if isinstance(cb, ParamScheduler)), None)
+    sched = next((cb for cb in learn.cbs if _is_a(cb, 'fastai.callback.schedule.ParamScheduler')), None)
     scheds = {k: [to_plain(f(p)) for p in _PCTS] for k,f in (sched.scheds.items() if sched else [])}
     hypers = [{k:v for k,v in h.items() if k not in scheds} for h in (learn.opt.hypers if learn.opt is not None else [])]
     return to_plain(dict(schedule=scheds, hypers=hypers, loss=_settings(learn.loss_func), opt=_settings(learn.opt_func)))
