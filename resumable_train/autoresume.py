@@ -149,7 +149,9 @@ def _decide(self:AutoResume):
     now = run_setup(self.learn, self.n_epoch)
     if i < len(fits) and fits[i] != now:
         raise _different_run(self.folder, self.fname, '; '.join(f"fit call {i} {k}: saved {fits[i].get(k)}, now {v}" for k,v in now.items() if fits[i].get(k) != v))
-    if rec['fit_index'] > i: raise CancelFitException()
+    if rec['fit_index'] > i:
+        self.skipped = True  # trained before: its end is no new resume point
+        raise CancelFitException()
     if rec['fit_index'] < i: return
     self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
     try: self.learn.load(file.absolute().with_suffix(''), with_iter=rec['epoch'] is not None)
@@ -206,7 +208,7 @@ def before_fit(self:AutoResume):
     self.signum,self.skipped,self.stopped = 0,False,False
     self.last_save = time.monotonic()
     self.fits = self.fits[:self.fit_index] + [run_setup(self.learn, self.n_epoch)]
-    workers = getattr(getattr(self.dls.train, 'fake_l', None), 'num_workers', 0)
+    workers = getattr(getattr(self.dls.train, 'fake_l', self.dls.train), 'num_workers', 0)  # fastai's DataLoader, or PyTorch's
     self.added_seed = bool(workers) and not any(isinstance(cb, SeedBatches) for cb in self.learn.cbs)
     if self.added_seed: self.learn.add_cb(SeedBatches())
     self._decide()
