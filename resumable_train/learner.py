@@ -157,15 +157,19 @@ class _NumberedBatches:
     def __len__(self): return len(self.sampler)
     def __iter__(self): return (_Batch(b, i) for i,b in enumerate(self.sampler))
 
-class _SeededItems:
-    "A map-style dataset whose batches are made, in a PyTorch DataLoader's workers, under a seed of (workers' base seed, batch index)"
+class _SeededItems(GetAttr):
+    "The map-style dataset `ds`, whose batches are made, in a PyTorch DataLoader's workers, under a seed of (workers' base seed, batch index)"
+    _default = 'ds'
     def __init__(self, ds): self.ds = ds
     def __len__(self): return len(self.ds)
     def __getitem__(self, i): return self.ds[i]
+    def _items(self, b):
+        getitems = getattr(self.ds, '__getitems__', None)
+        return getitems(list(b)) if getitems else [self.ds[i] for i in b]
     def __getitems__(self, b):
         info = torch.utils.data.get_worker_info()
-        if info is None or not isinstance(b, _Batch): return [self.ds[i] for i in b]
-        with _seeded(_batch_seed(info.seed - info.id, b.i)): return [self.ds[i] for i in b]
+        if info is None or not isinstance(b, _Batch): return self._items(b)
+        with _seeded(_batch_seed(info.seed - info.id, b.i)): return self._items(b)
 
 def _seed_patches(dl, rng_dl)->dict:
     "The attributes `SeedBatches` gives a fastai DataLoader (whose epoch seed comes from `rng_dl.rng`), or a PyTorch DataLoader that batches a map-style dataset"
