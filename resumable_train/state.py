@@ -61,10 +61,14 @@ def set_rng_state(s:dict): # a dict from `rng_state`
                              torch_cuda_state=[t.cpu() for t in s['torch_cuda_state']]))
 
 # %% ../nbs/00_state.ipynb #4dfd6525
+def _chain(s):
+    "A sampler and the samplers it wraps, through their `sampler` attributes"
+    while s is not None: yield s; s = getattr(s, 'sampler', None)
+
 def _torch_generators(dl)->list:
     "The `torch.Generator`s of a PyTorch DataLoader and of its samplers (none when they draw from torch's global stream)"
-    gs = [getattr(dl, 'generator', None), getattr(getattr(dl, 'sampler', None), 'generator', None),
-          getattr(getattr(getattr(dl, 'batch_sampler', None), 'sampler', None), 'generator', None)]
+    samplers = [*_chain(getattr(dl, 'sampler', None)), *_chain(getattr(dl, 'batch_sampler', None))]
+    gs = [getattr(o, 'generator', None) for o in [dl, *samplers]]
     return list({id(g): g for g in gs if isinstance(g, torch.Generator)}.values())
 
 def dl_rng_state(dl)->list|dict|None:
