@@ -75,13 +75,19 @@ class _FastForward(GetAttr):
     "Iterate `dl` from batch `first_iter` on, without loading the batches before it"
     _default = 'dl'
     def __init__(self, dl, first_iter:int,
-                 streams=None, # `(start, now)`: the random streams at the epoch's start, and those to train on
-                ): self.dl,self._first_iter,self.streams = dl,first_iter,streams
+                 start=None, # the random streams at the epoch's start (`rng_state`), to draw the epoch's order and seeds from
+                ): self.dl,self._first_iter,self.start = dl,first_iter,start
     def __len__(self): return len(self.dl)
+    def _from_start(self):
+        "Put the streams at the epoch's start; returns the streams to train on, which the iteration switches back to"
+        if self.start is None: return None
+        now = rng_state()
+        set_rng_state(self.start)
+        return now
+
     def __iter__(self):
-        dl,(start,now) = self.dl,self.streams or (None,None)
+        dl,now = self.dl,self._from_start()
         gen = None if now is None else torch.Generator()
-        if start is not None: set_rng_state(start)
         old_dl = _patch_attrs(dl, get_idxs=partial(_ff_idxs, dl.get_idxs, self._first_iter*(dl.bs or 1), gen, now), _first_iter=self._first_iter)
         old_fake = _patch_attrs(dl.fake_l, generator=gen)
         try: yield from dl
@@ -101,9 +107,8 @@ class _SkipBatches:
 class _TorchFastForward(_FastForward):
     "Iterate a PyTorch DataLoader over a map-style dataset from batch `first_iter` on, without loading the batches before it"
     def __iter__(self):
-        dl,(start,now) = self.dl,self.streams or (None,None)
+        dl,now = self.dl,self._from_start()  # the iterator draws the workers' base seed, then the sampler its seed
         name = 'sampler' if dl.batch_sampler is None else 'batch_sampler'
-        if start is not None: set_rng_state(start)  # the iterator draws the workers' base seed, then the sampler its seed
         old = _patch_attrs(dl, **{name: _SkipBatches(getattr(dl, name), self._first_iter, now)})
         try: yield from dl
         finally: _unpatch_attrs(dl, old)
@@ -235,10 +240,9 @@ def resume_point(learn)->dict|None:
         grads=[_grad_state(p) for p in learn.model.parameters()], meta=_meta()))
 
 # %% ../nbs/01_learner.ipynb #34e07e63
-def _epoch_start(rec):
-    "The random streams at the start of the epoch of resume point `rec` (resume points of 0.1.0 kept torch's only)"
-    er = rec['epoch_rng']
-    return er['rng'] if 'rng' in er else dict(rec['rng'], torch_state=er['torch'])
+def _epoch_start(er, rng):
+    "The random streams at the start of an epoch, from its `epoch_rng` (resume points of 0.1.0 kept torch's only: the others from `rng`)"
+    return er['rng'] if 'rng' in er else dict(rng, torch_state=er['torch'])
 
 class SkipToIter(Callback):
     "Fast-forward `fit` to batch `iter` of epoch `epoch`, or to the resume point `learn.load` left"
@@ -279,7 +283,7 @@ class SkipToIter(Callback):
             self.epoch_rng = rp['epoch_rng']
             set_dl_rng_state(self.dls.train, self.epoch_rng['dl'])
             _restore_streams(self.learn, rp, dls=False)
-        self.learn.dl = ff(self.dl, self.start_iter, (_epoch_start(rp), rp['rng']) if rp else None)
+        self.learn.dl = ff(self.dl, self.start_iter, _epoch_start(self.epoch_rng, rp['rng']) if rp else None)  # `epoch_rng` as the callbacks left it
         self.start_iter = 0
 
 # %% ../nbs/01_learner.ipynb #ee188288
