@@ -216,6 +216,7 @@ def _seed_patches(dl, rng_dl)->dict:
     "The attributes `SeedBatches` gives a fastai DataLoader (whose epoch seed comes from `rng_dl.rng`), or a PyTorch DataLoader that batches a map-style dataset"
     if isinstance(dl, DataLoader): return dict(get_idxs=partial(_seeded_idxs, dl, dl.get_idxs, rng_dl), create_batches=partial(_seeded_batches, dl))
     if not isinstance(dl, torch.utils.data.DataLoader) or dl.batch_sampler is None or isinstance(dl.dataset, torch.utils.data.IterableDataset): return {}
+    if dl.persistent_workers: return {}  # their base seed is drawn once: every epoch would repeat the same draws
     return dict(dataset=_SeededItems(dl.dataset), batch_sampler=_NumberedBatches(dl.batch_sampler))
 
 class SeedBatches(Callback):
