@@ -311,7 +311,7 @@ def before_fit(self:AutoResume):
     self.signum,self.signal_time,self.skipped,self.stopped = 0,0.,False,False
     plan = fit_plan(self.learn)  # before a resume point's optimizer state replaces the hyperparameters this call was given
     self.fits = self.fits[:self.fit_index] + [run_setup(self.learn, self.n_epoch)]
-    workers = getattr(getattr(self.dls.train, 'fake_l', None), 'num_workers', 0)
+    workers = getattr(getattr(self.dls.train, 'fake_l', self.dls.train), 'num_workers', 0)  # fastai's DataLoader, or PyTorch's
     self.added_seed = bool(workers) and not any(isinstance(cb, SeedBatches) for cb in self.learn.cbs)
     if self.added_seed: self.learn.add_cb(SeedBatches())
     try: self._decide(plan)

@@ -214,7 +214,7 @@ def state_dict(self:DistributedTrainer):
     if not self.active: return {'world_size': 1}
     skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
     er = getattr(skip, 'epoch_rng', None)
-    mine = to_plain(dict(rng=rng_state(), epoch_torch=er['torch'] if er else None), copy=True)
+    mine = to_plain(dict(rng=rng_state(), epoch_rng=er['rng'] if er else None), copy=True)
     ranks = None if self.rank else [None]*self.world_size
     self._collective(lambda: dist.gather_object(mine, ranks, dst=0), 'send its random state to rank 0')
     return {'world_size': self.world_size, 'ranks': ranks}
@@ -227,5 +227,6 @@ def load_state_dict(self:DistributedTrainer, sd):
     mine = sd['ranks'][self.rank]
     self.pending = mine['rng']
     skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
-    if getattr(self.learn, '_event', None) == 'before_train' and skip.epoch_rng is not None and mine['epoch_torch'] is not None:
-        skip.epoch_rng = dict(skip.epoch_rng, torch=mine['epoch_torch'])
+    if getattr(self.learn, '_event', None) != 'before_train' or skip.epoch_rng is None: return
+    if mine.get('epoch_rng') is not None: skip.epoch_rng = dict(skip.epoch_rng, rng=mine['epoch_rng'])
+    elif mine.get('epoch_torch') is not None: skip.epoch_rng = dict(skip.epoch_rng, torch=mine['epoch_torch'])  # written by 0.1.0

@@ -101,6 +101,11 @@ def _py_rng(v, field):
     if v[1][-1] > 624: _fail(f"{field}[1]", f"has position {int(v[1][-1])}, outside 0..624")
     if v[2] is not None and not _is_num(v[2]): _fail(f"{field}[2]", f"is {v[2]!r}, not a number or None")
 
+def _dl_rng(v, field):
+    "A DataLoader's own streams: fastai's `dl.rng` (a python state), or a PyTorch DataLoader's generators"
+    if not isinstance(v, dict): return _py_rng(v, field)
+    for i,g in enumerate(_of(v.get('generators'), f'{field}.generators', list, tuple)): _tensor(g, f'{field}.generators[{i}]', torch.uint8)
+
 def _rng(v, field='rng'):
     _of(v, field, dict)
     _py_rng(v.get('random_state'), f'{field}.random_state')
@@ -145,7 +150,8 @@ def _position(r):
     if it:
         er = _of(r.get('epoch_rng'), 'epoch_rng', dict)
         _tensor(er.get('torch'), 'epoch_rng.torch', torch.uint8)
-        if er.get('dl') is not None: _py_rng(er['dl'], 'epoch_rng.dl')
+        if er.get('dl') is not None: _dl_rng(er['dl'], 'epoch_rng.dl')
+        if er.get('rng') is not None: _rng(er['rng'], 'epoch_rng.rng')
 
 _NUMERIC_HYPERS = {'lr', 'mom', 'sqr_mom', 'wd', 'eps', 'beta', 'momentum', 'weight_decay'}
 
@@ -194,7 +200,7 @@ def check_record(r:dict, opt:dict|None=None): # `opt`: the optimizer state saved
             for k,v in _of(h, f'hypers[{i}]', dict).items(): _hyper(v, f'hypers[{i}].{k}', k in _NUMERIC_HYPERS)
     if 'rng' in r: _rng(r['rng'])
     for i,s in enumerate(_of(r.get('dl_rngs', []), 'dl_rngs', list, tuple)):
-        if s is not None: _py_rng(s, f'dl_rngs[{i}]')
+        if s is not None: _dl_rng(s, f'dl_rngs[{i}]')
     for k in _of(r.get('callbacks', {}), 'callbacks', dict): _of(k, f'callbacks key {k!r}', str)  # each callback checks its own state
     _history(r)
     for i,n in enumerate(_of(r.get('metric_names', []), 'metric_names', list, tuple)): _of(n, f'metric_names[{i}]', str)

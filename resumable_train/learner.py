@@ -85,39 +85,84 @@ Learner.one_batch._fastai = _fastai['one_batch']
 
 # %% ../nbs/01_learner.ipynb #ba76844a
 def _patch_attrs(o, **attrs)->dict:
-    "Set instance attributes of `o`; returns what `_unpatch_attrs` needs to put `o` back as it was"
+    "Set instance attributes of `o` (in its `__dict__`: PyTorch's DataLoader refuses `setattr` of its sampler); returns what `_unpatch_attrs` needs"
     old = {n: o.__dict__.get(n) for n in attrs}
-    for n,v in attrs.items(): setattr(o, n, v)
+    o.__dict__.update(attrs)
     return old
 
 def _unpatch_attrs(o, old:dict):
     for n,v in old.items():
         if v is None: o.__dict__.pop(n, None)
-        else: setattr(o, n, v)
+        else: o.__dict__[n] = v
 
-def _drop_first(get_idxs, n, streams=None):
-    "The epoch's indices from the `n`-th on, drawn under the random streams `streams` (those at the epoch's start) if given"
-    if streams is None: idxs = get_idxs()
-    else:
-        now = rng_state()
-        set_rng_state(streams)
-        try: idxs = get_idxs()
-        finally: set_rng_state(now)
+def _drop_first(idxs, n):
     return idxs[n:] if isinstance(idxs, list) else itertools.islice(idxs, n, None)
+
+def _switch_streams(gen, now):
+    "Keep the epoch's torch stream in `gen` (if any: for the workers' base seed), then go on with the random streams `now`"
+    if now is None: return
+    if gen is not None: gen.set_state(torch.get_rng_state())
+    set_rng_state(now)
+
+def _ff_idxs(get_idxs, n, gen, now):
+    "The epoch's order from `get_idxs` without its first `n` indices, drawn from the epoch's streams before switching to `now`"
+    idxs = get_idxs()
+    _switch_streams(gen, now)
+    return _drop_first(idxs, n)
 
 class _FastForward(GetAttr):
     "Iterate `dl` from batch `first_iter` on, without loading the batches before it"
     _default = 'dl'
-    def __init__(self, dl, first_iter:int, torch_state=None, streams=None):
-        self.dl,self._first_iter,self.torch_state,self.streams = dl,first_iter,torch_state,streams
+    def __init__(self, dl, first_iter:int,
+                 start=None, # the random streams at the epoch's start (`rng_state`), to draw the epoch's order and seeds from
+                ): self.dl,self._first_iter,self.start = dl,first_iter,start
     def __len__(self): return len(self.dl)
+    def _from_start(self):
+        "Put the streams at the epoch's start; returns the streams to train on, which the iteration switches back to"
+        if self.start is None: return None
+        now = rng_state()
+        set_rng_state(self.start)
+        return now
+
     def __iter__(self):
-        dl,gen = self.dl,None
-        if self.torch_state is not None: (gen := torch.Generator()).set_state(self.torch_state)
-        old_dl = _patch_attrs(dl, get_idxs=partial(_drop_first, dl.get_idxs, self._first_iter*(dl.bs or 1), self.streams), _first_iter=self._first_iter)
+        dl,now = self.dl,self._from_start()
+        gen = None if now is None else torch.Generator()
+        old_dl = _patch_attrs(dl, get_idxs=partial(_ff_idxs, dl.get_idxs, self._first_iter*(dl.bs or 1), gen, now), _first_iter=self._first_iter)
         old_fake = _patch_attrs(dl.fake_l, generator=gen)
         try: yield from dl
         finally: _unpatch_attrs(dl, old_dl); _unpatch_attrs(dl.fake_l, old_fake)
+
+class _SkipBatches:
+    "The batches of a PyTorch `sampler` but the first `n`; the epoch's draws are made before the first kept batch, then the streams switch to `now`"
+    def __init__(self, sampler, n:int, now=None): self.sampler,self.n,self.now = sampler,n,now
+    def __len__(self): return len(self.sampler)
+    def __iter__(self):
+        it = itertools.islice(self.sampler, self.n, None)
+        first = next(it, _SkipBatches)  # a RandomSampler draws its seed for the epoch here
+        _switch_streams(None, self.now)
+        if first is not _SkipBatches: yield first
+        yield from it
+
+class _TorchFastForward(_FastForward):
+    "Iterate a PyTorch DataLoader over a map-style dataset from batch `first_iter` on, without loading the batches before it"
+    def __iter__(self):
+        dl,now = self.dl,self._from_start()  # the iterator draws the workers' base seed, then the sampler its seed
+        name = 'sampler' if dl.batch_sampler is None else 'batch_sampler'
+        old = _patch_attrs(dl, **{name: _SkipBatches(getattr(dl, name), self._first_iter, now)})
+        try: yield from dl
+        finally: _unpatch_attrs(dl, old)
+
+def _fast_forwarder(dl):
+    "The class that fast-forwards `dl`, or a `TypeError` saying why `dl` cannot resume inside an epoch"
+    if isinstance(dl, DataLoader): return _FastForward
+    what = f"a {type(dl).__name__}"
+    if isinstance(dl, torch.utils.data.DataLoader):
+        if not isinstance(dl.dataset, torch.utils.data.IterableDataset) and not dl.persistent_workers: return _TorchFastForward
+        what = ("a PyTorch DataLoader over an IterableDataset, whose position is inside the dataset's own iterator and cannot be "
+                "reached without reading the skipped items" if dl.persistent_workers is False else
+                "a PyTorch DataLoader with persistent_workers, whose workers keep random streams and an iterator that a new process cannot rebuild")
+    raise TypeError(f"Cannot resume inside an epoch of {what}; save resume points only at epoch ends (`AutoResume(every_iter=None)` "
+                    "saves after each epoch), or use a fastai DataLoader or a PyTorch DataLoader over a map-style Dataset")
 
 # %% ../nbs/01_learner.ipynb #a8fc35ef
 def _seeded_idxs(dl, get_idxs, rng_dl):
@@ -133,24 +178,57 @@ def _seeded(s):
     try: yield
     finally: random.setstate(st[0]); np.random.set_state(st[1]); torch.set_rng_state(st[2])
 
+def _batch_seed(epoch_seed, i): return int(np.random.SeedSequence([epoch_seed, i]).generate_state(1)[0])
+
 def _seeded_batches(dl, samps):
     "Like `DataLoader.create_batches`, with each batch's items made under a seed of (epoch order, batch index)"
     if dl.dataset is not None: dl.it = iter(dl.dataset)
     idxs,bs,first,nw,offs = list(dl._DataLoader__idxs),dl.bs or 1,getattr(dl, '_first_iter', 0),dl.num_workers,dl.offs
     do_item,do_batch,prebatched,drop_last,seed = dl.do_item,dl.do_batch,dl.prebatched,dl.drop_last,dl._epoch_seed
     for i in range(offs, -(-len(idxs)//bs), nw):
-        with _seeded(int(np.random.SeedSequence([seed, first+i]).generate_state(1)[0])):
+        with _seeded(_batch_seed(seed, first+i)):
             items = [o for o in map(do_item, idxs[i*bs:(i+1)*bs]) if o is not None]
         if prebatched: yield from map(do_batch, items)
         elif items and not (drop_last and len(items) < bs): yield do_batch(items)
 
+class _Batch(list):
+    "The indices of a batch, and the batch's index `i` in the epoch"
+    def __init__(self, idxs, i): super().__init__(idxs); self.i = i
+
+class _NumberedBatches:
+    "A PyTorch batch sampler whose batches say their index in the epoch"
+    def __init__(self, sampler): self.sampler = sampler
+    def __len__(self): return len(self.sampler)
+    def __iter__(self): return (_Batch(b, i) for i,b in enumerate(self.sampler))
+
+class _SeededItems(GetAttr):
+    "The map-style dataset `ds`, whose batches are made, in a PyTorch DataLoader's workers, under a seed of (workers' base seed, batch index)"
+    _default = 'ds'
+    def __init__(self, ds): self.ds = ds
+    def __len__(self): return len(self.ds)
+    def __getitem__(self, i): return self.ds[i]
+    def _items(self, b):
+        getitems = getattr(self.ds, '__getitems__', None)
+        return getitems(list(b)) if getitems else [self.ds[i] for i in b]
+    def __getitems__(self, b):
+        info = torch.utils.data.get_worker_info()
+        if info is None or not isinstance(b, _Batch): return self._items(b)
+        with _seeded(_batch_seed(info.seed - info.id, b.i)): return self._items(b)
+
+def _seed_patches(dl, rng_dl)->dict:
+    "The attributes `SeedBatches` gives a fastai DataLoader (whose epoch seed comes from `rng_dl.rng`), or a PyTorch DataLoader that batches a map-style dataset"
+    if isinstance(dl, DataLoader): return dict(get_idxs=partial(_seeded_idxs, dl, dl.get_idxs, rng_dl), create_batches=partial(_seeded_batches, dl))
+    if not isinstance(dl, torch.utils.data.DataLoader) or dl.batch_sampler is None or isinstance(dl.dataset, torch.utils.data.IterableDataset): return {}
+    if dl.persistent_workers: return {}  # their base seed is drawn once: every epoch would repeat the same draws
+    return dict(dataset=_SeededItems(dl.dataset), batch_sampler=_NumberedBatches(dl.batch_sampler))
+
 class SeedBatches(Callback):
-    "Make the item randomness of each training batch depend only on the epoch's order and the batch index"
+    "Make the item randomness of each training batch depend only on the epoch's order (or workers' base seed) and the batch index"
     order = 900
     def before_train(self):
         self.after_train()  # a training phase that an exception ended left its patches
         self.dl_ = dl = self.learn.dl
-        self.old = _patch_attrs(dl, get_idxs=partial(_seeded_idxs, dl, dl.get_idxs, self.dls.train), create_batches=partial(_seeded_batches, dl))
+        self.old = _patch_attrs(dl, **_seed_patches(dl, self.dls.train))
     def after_train(self):
         if getattr(self, 'old', None): _unpatch_attrs(self.dl_, self.old)
         self.old = {}
@@ -165,14 +243,19 @@ def _restore_dls(learn, rec):
     for dl,s in zip(learn.dls.loaders, rec['dl_rngs']): set_dl_rng_state(dl, s)
     load_dl_states(learn, rec.get('dl_states', []))
 
+def _make_lazy_state(learn):
+    "Make now what fastai makes at the first batch of a process and which draws random numbers: `dls.n_inp` loads an item when the dataset does not say"
+    getattr(learn.dls, 'n_inp', None)
+
 def _restore_streams(learn, rec, dls=True):
     "Give `learn`'s callbacks and modules their states and put the random streams (and, with `dls`, the DataLoaders') back as `rec` holds them"
+    _make_lazy_state(learn)  # its draws happened before `rec` was saved: they must not shift the restored streams
     load_callback_states(learn, rec['callbacks'])
     load_module_states(learn.model, rec.get('modules', {}))
     if dls: _restore_dls(learn, rec)
     set_rng_state(rec['rng'])
 
-def _epoch_start(learn)->dict:
+def _epoch_streams(learn)->dict:
     "What decides an epoch's order: the random streams at its start, and the training DataLoader's `rng` and state"
     return dict(torch=torch.get_rng_state(), dl=dl_rng_state(learn.dls.train), rng=rng_state(), dl_state=state_of(learn.dls.train))
 
@@ -197,6 +280,7 @@ def resume_point(learn)->dict|None:
     pos = _position(learn)
     if pos is None and learn._event not in ('after_fit','after_cancel_fit'): return None
     epoch,it = pos or (None,0)
+    if it: _fast_forwarder(learn.dls.train)  # refuse a resume point that no run could continue
     skip = next(cb for cb in learn.cbs if isinstance(cb, SkipToIter))
     return to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train,
         setup=run_setup(learn, learn.n_epoch), hypers=learn.opt.hypers, rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders],
@@ -267,6 +351,10 @@ def _check_plan(saved, now, file, strict=False):
     warnings.warn(f"{msg}; continuing anyway, so the result matches neither run (strict_hypers=True refuses)", stacklevel=2)
 
 # %% ../nbs/01_learner.ipynb #34e07e63
+def _epoch_start(er, rng):
+    "The random streams at the start of an epoch, from its `epoch_rng` (resume points of 0.1.0 kept torch's only: the others from `rng`)"
+    return er['rng'] if 'rng' in er else dict(rng, torch_state=er['torch'])
+
 class SkipToIter(Callback):
     "Fast-forward `fit` to batch `iter` of epoch `epoch`, or to the resume point `learn.load` left"
     order = 1000
@@ -295,21 +383,19 @@ class SkipToIter(Callback):
         for _ in range(self.start_iter): pct += step  # the additions TrainEvalCallback makes, bit for bit
         return pct
 
+    def _keep_epoch_rng(self): self.epoch_rng = _epoch_streams(self.learn)
+
     def before_train(self):
-        if self.epoch != self.start_epoch or not self.start_iter:
-            self.epoch_rng = _epoch_start(self.learn)
-            return
-        if not isinstance(self.dl, DataLoader):
-            raise TypeError(f"SkipToIter can start inside an epoch only with fastai DataLoaders, not {type(self.dl).__name__}; resume at an epoch's end instead")
-        rp,self.n_iter_train = self.rp,len(self.dl)
+        if self.epoch != self.start_epoch or not self.start_iter: return self._keep_epoch_rng()
+        ff,rp,self.n_iter_train = _fast_forwarder(self.dl),self.rp,len(self.dl)
         self.learn.pct_train = rp['pct_train'] if rp else self._replayed_pct()
-        if rp is None: self.epoch_rng = _epoch_start(self.learn)
+        if rp is None: self._keep_epoch_rng()
         else:
-            self.epoch_rng = er = rp['epoch_rng']
-            set_dl_rng_state(self.dls.train, er['dl'])
-            restore_state(self.dls.train, er.get('dl_state'))
+            self.epoch_rng = rp['epoch_rng']
+            set_dl_rng_state(self.dls.train, self.epoch_rng['dl'])
+            restore_state(self.dls.train, self.epoch_rng.get('dl_state'))
             _restore_streams(self.learn, rp, dls=False)
-        self.learn.dl = _FastForward(self.dl, self.start_iter, *((er['torch'], er.get('rng')) if rp else ()))
+        self.learn.dl = ff(self.dl, self.start_iter, _epoch_start(self.epoch_rng, rp['rng']) if rp else None)  # `epoch_rng` as the callbacks left it
         self.start_iter = 0
 
     def after_fit(self): self.learn.__dict__.pop('_start_epoch', None)

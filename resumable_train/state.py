@@ -55,14 +55,27 @@ def set_rng_state(s:dict): # a dict from `rng_state`
                              torch_cuda_state=[t.cpu() for t in s['torch_cuda_state']]))
 
 # %% ../nbs/00_state.ipynb #4dfd6525
-def dl_rng_state(dl)->list|None:
-    "The state of `dl.rng` as plain values (`None` for a DataLoader without one, such as PyTorch's)"
-    if not isinstance(getattr(dl, 'rng', None), random.Random): return None
-    return _py_plain(dl.rng.getstate())
+def _chain(s):
+    "A sampler and the samplers it wraps, through their `sampler` attributes"
+    while s is not None: yield s; s = getattr(s, 'sampler', None)
 
-def set_dl_rng_state(dl, s:list|None):
-    "Restore `dl.rng` from `dl_rng_state`"
-    if s is not None: dl.rng.setstate(_py_state(s))
+def _torch_generators(dl)->list:
+    "The `torch.Generator`s of a PyTorch DataLoader and of its samplers (none when they draw from torch's global stream)"
+    samplers = [*_chain(getattr(dl, 'sampler', None)), *_chain(getattr(dl, 'batch_sampler', None))]
+    gs = [getattr(o, 'generator', None) for o in [dl, *samplers]]
+    return list({id(g): g for g in gs if isinstance(g, torch.Generator)}.values())
+
+def dl_rng_state(dl)->list|dict|None:
+    "The state of `dl`'s own random streams as plain values: fastai's `dl.rng`, a PyTorch DataLoader's generators, or `None`"
+    if isinstance(getattr(dl, 'rng', None), random.Random): return _py_plain(dl.rng.getstate())
+    gs = _torch_generators(dl)
+    return {'generators': [g.get_state() for g in gs]} if gs else None
+
+def set_dl_rng_state(dl, s:list|dict|None):
+    "Restore `dl`'s random streams from `dl_rng_state`"
+    if isinstance(s, dict):
+        for g,t in zip(_torch_generators(dl), s['generators']): g.set_state(t)
+    elif s is not None: dl.rng.setstate(_py_state(s))
 
 # %% ../nbs/00_state.ipynb #4ee0f400
 _registry = {}
