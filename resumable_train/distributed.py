@@ -7,22 +7,18 @@ Docs: https://resumable-train.github.io/resumable_train/distributed.html.md"""
 # %% ../nbs/03_distributed.ipynb #fedd3fbd
 from __future__ import annotations
 import os, time, datetime, contextlib
-from functools import wraps
 import numpy as np, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import GetAttr, patch
-from fastcore.xtras import join_path_file
 from fastai.torch_core import to_detach, rank_distrib, noop
 from fastai.data.load import DataLoader, _FakeLoader
-from fastai.learner import Learner
 from fastai.callback.core import Callback, CancelFitException
-from fastai.callback.progress import ProgressCallback, ShowGraphCallback, CSVLogger
 from .files import *
 from .state import *
-from .state import _metric_state, _set_metric_state
+from .state import _metric_state, _set_metric_state, _qualname
 from .learner import *
-from .learner import _position, _seeded
-from .autoresume import agree, share_checkpoint, _group_device
+from .learner import _world_error, _world_size, _position, _seeded, _group_device
+from .autoresume import agree
 
 # %% auto #0
 __all__ = ['init_distributed', 'DistributedTrainer']
@@ -88,7 +84,10 @@ def _to_inner(n):
 for _n in ('randomize','wif','before_iter','after_batch','create_batches','do_item','do_batch','new'): setattr(_ShardDL, _n, _to_inner(_n))
 
 # %% ../nbs/03_distributed.ipynb #8511e83a
-_RANK0 = (ProgressCallback, ShowGraphCallback, CSVLogger)
+_RANK0 = {f'fastai.callback.progress.{n}' for n in ('ProgressCallback','ShowGraphCallback','CSVLogger')}  # by name: importing
+# fastai.callback.progress would add `ProgressCallback` to fastai's default callbacks
+
+def _rank0_only(cb, more:tuple)->bool: return isinstance(cb, more) or any(_qualname(c) in _RANK0 for c in type(cb).__mro__)
 _OWN_EVENTS = ('before_fit','after_cancel_fit','after_fit')
 
 def _broadcast(o):
@@ -187,7 +186,7 @@ def before_fit(self:DistributedTrainer):
     if self.rank:
         learn.logger = noop
         for cb in learn.cbs:
-            if isinstance(cb, _RANK0 + self.rank0_cbs): cb.run = False
+            if _rank0_only(cb, self.rank0_cbs): cb.run = False
     self.fitting,self.stop,self.gate_secs,self.null = True,False,0.,open(os.devnull, 'w')
     self.dispatch,self.learn_backward = learn._call_one,learn._backward
     learn._call_one,learn._backward = self._call,self._backward
@@ -221,12 +220,6 @@ def after_validate(self:DistributedTrainer):
         for m,sd in zip(mets, sds): _set_metric_state(m, sd)
 
 # %% ../nbs/03_distributed.ipynb #1749b241
-def _world_error(file, saved, now):
-    return CheckpointError(f"{file} holds a resume point of a run on {saved} process(es); this run has {now}. Another world size would not "
-        f"continue the same run bit for bit (other shards, batch positions and random streams): relaunch with {saved} process(es) "
-        f"(torchrun --nproc_per_node ...); or continue it on {now} with elastic=True (AutoResume(elastic=True), learn.load(..., elastic=True)), "
-        "which trains the rest of the epoch's samples in other batches; or load it with with_iter=False to start a new run from its weights")
-
 @patch
 def _epoch_position(self:DistributedTrainer)->int|None:
     "How many samples of this epoch's order all ranks together have trained (`None` at the end of `fit`)"
@@ -242,7 +235,7 @@ def state_dict(self:DistributedTrainer):
     "World size, position in the epoch's sample order, and every rank's random streams (complete on rank 0, which writes the file)"
     skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
     er = getattr(skip, 'epoch_rng', None)
-    mine = to_plain(dict(rng=rng_state(), epoch_torch=er['torch'] if er else None), copy=True)
+    mine = to_plain(dict(rng=rng_state(), epoch_rng=er['rng'] if er else None), copy=True)
     ranks = [mine]
     if self.active:
         ranks = None if self.rank else [None]*self.world_size
@@ -256,7 +249,8 @@ def _rank_streams(sd, rank):
     if rank < len(sd['ranks']): return sd['ranks'][rank]
     seeds = np.random.SeedSequence([*sd['ranks'][0]['rng']['random_state'][1].tolist(), rank]).generate_state(2)
     with _seeded(int(seeds[0])): rng = rng_state()
-    return dict(rng=rng, epoch_torch=torch.Generator().manual_seed(int(seeds[1])).get_state())
+    with _seeded(int(seeds[1])): epoch = rng_state()
+    return dict(rng=rng, epoch_rng=epoch)
 
 @patch
 def load_state_dict(self:DistributedTrainer, sd):
@@ -266,8 +260,9 @@ def load_state_dict(self:DistributedTrainer, sd):
     mine = _rank_streams(sd, self.rank)
     self.pending = mine['rng']
     skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
-    if getattr(self.learn, '_event', None) == 'before_train' and skip.epoch_rng is not None and mine['epoch_torch'] is not None:
-        skip.epoch_rng = dict(skip.epoch_rng, torch=mine['epoch_torch'])
+    if getattr(self.learn, '_event', None) != 'before_train' or skip.epoch_rng is None: return
+    if mine.get('epoch_rng') is not None: skip.epoch_rng = dict(skip.epoch_rng, rng=mine['epoch_rng'])
+    elif mine.get('epoch_torch') is not None: skip.epoch_rng = dict(skip.epoch_rng, torch=mine['epoch_torch'])  # written by 0.1.0
 
 # %% ../nbs/03_distributed.ipynb #e1a57c20
 @patch
@@ -300,47 +295,32 @@ def after_train(self:DistributedTrainer):
 def after_fit(self:DistributedTrainer):
     if getattr(self.learn, '_fitting', False): self.rest = None
 
-# %% ../nbs/03_distributed.ipynb #963b8622
-def _world_size()->int: return dist.get_world_size() if _group() else 1
-def _trainer(learn): return next((cb for cb in learn.cbs if isinstance(cb, DistributedTrainer)), None)
-
-def _saves_everywhere(save):
-    @wraps(save)
-    def _save(self, file, with_opt:bool=True, with_iter:bool=True, **kwargs):
-        if rank_distrib() and with_opt and with_iter and self.opt is not None: resume_point(self)
-        return save(self, file, with_opt=with_opt, with_iter=with_iter, **kwargs)
-    _save._core = save
-    return _save
-
-def _rank0_checkpoint(learn, file)->dict:
-    "The checkpoint `file` as rank 0 reads it, on every rank"
-    state,err = None,None
-    if not rank_distrib():
-        try: state = read_checkpoint(join_path_file(file, learn.path/learn.model_dir, ext='.pth'))
-        except CheckpointError as e: err = str(e)
-    if (err := _broadcast(err)) is not None: raise CheckpointError(err)
-    return share_checkpoint(state)
-
+# %% ../nbs/03_distributed.ipynb #e1a57c21
 def _saved_run(rp)->dict:
     "The `DistributedTrainer` state of a resume point; for a run without one (a single process), what it would have held"
     sd = rp['callbacks'].get('distributed_trainer')
     if sd is not None: return sd
     s = rp['setup']
     return dict(world_size=1, n=s['n_items'], bs=s['bs'], position=min(rp['iter']*(s['bs'] or 1), s['n_items']), rest=None,
-                ranks=[dict(rng=rp['rng'], epoch_torch=(rp['epoch_rng'] or {}).get('torch'))])
+                ranks=[dict(rng=rp['rng'], epoch_rng=(rp['epoch_rng'] or {}).get('rng'))])
 
-def _continue_here(learn, rp, elastic):
-    "Check the world size of the resume point `rp` that `learn.load` left; on another world size (`elastic`), plan the rest of the epoch"
-    trainer,sd,now = _trainer(learn),_saved_run(rp),_world_size()
+@patch
+def plan_resume(self:DistributedTrainer, rp:dict|None, # the resume point `learn.load` leaves for the next `fit`, or `None`
+                elastic:bool=False, # continue it on another world size
+               ):
+    "Check the world size of `rp`; on another world size (`elastic`), plan the rest of the epoch; called by `Learner.load`"
+    self.elastic,self.rest = elastic,None
+    if rp is None: return
+    sd,now = _saved_run(rp),_world_size()
     saved,file = sd['world_size'],rp['file']
-    if trainer is not None: trainer.rest = sd.get('rest') if saved == now else None
-    if saved == now: return
+    if saved == now:
+        self.rest = sd.get('rest')   # an epoch that an elastic resume started goes on as it began
+        return
     if not elastic: raise _world_error(file, saved, now)
-    if trainer is None: raise CheckpointError(f"{file} holds a resume point of {saved} process(es); continuing it on {now} needs DistributedTrainer among the callbacks")
     if 'n' not in sd or (sd['position'] is None and rp['iter']):
         raise CheckpointError(f"{file} does not record where the epoch is in its sample order (written by resumable_train 0.1, or with a "
                               f"DataLoader that is not fastai's); resume it on {saved} process(es), or from the end of an epoch")
-    dl = trainer._data()
+    dl = self._data()
     if (sd['n'], sd['bs']) != (getattr(dl, 'n', None), getattr(dl, 'bs', None)):
         raise CheckpointError(f"{file} holds a run over {sd['n']} training samples in batches of {sd['bs']}; this one has "
                               f"{getattr(dl, 'n', None)} in batches of {getattr(dl, 'bs', None)}")
@@ -349,20 +329,4 @@ def _continue_here(learn, rp, elastic):
     rp['callbacks'] = dict(rp['callbacks'], distributed_trainer=sd)
     if not rp['iter']: return
     rp['iter'] = max(1, sd['position']//((dl.bs or 1)*now))   # the batch of this run's epoch where the saved position falls
-    trainer.rest = dict(epoch=rp['epoch'], offset=sd['position'], first=rp['iter'], pct=rp['pct_train'])
-
-def _checks_world(load):
-    @wraps(load)
-    def _load(self, file, *args, elastic:bool=False, state:dict|None=None, **kwargs):
-        if state is None and _world_size() > 1: state = _rank0_checkpoint(self, file)
-        res = load(self, file, *args, state=state, **kwargs)
-        if (trainer := _trainer(self)) is not None: trainer.elastic = elastic
-        if (rp := self.__dict__.get('_resume')) is not None:
-            try: _continue_here(self, rp, elastic)
-            except CheckpointError: del self._resume; raise
-        return res
-    _load._core = load
-    return _load
-
-Learner.save = _saves_everywhere(getattr(Learner.save, '_core', Learner.save))
-Learner.load = _checks_world(getattr(Learner.load, '_core', Learner.load))
+    self.rest = dict(epoch=rp['epoch'], offset=sd['position'], first=rp['iter'], pct=rp['pct_train'])
