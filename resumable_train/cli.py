@@ -65,6 +65,12 @@ def _kind(state):
 
 def _keys(d, n=3): return ', '.join(map(repr, list(d)[:n])) + (f" and {len(d)-n} more" if len(d) > n else '')
 
+def _world(rec)->dict:
+    "How many processes wrote a resume point, and whether `elastic=True` can continue it on another number (it needs the epoch's sample position)"
+    sd = (rec.get('callbacks') or {}).get('distributed_trainer')
+    if sd is None: return dict(world_size=1, elastic=True)   # one process without DistributedTrainer: the position is its batch
+    return dict(world_size=sd.get('world_size', 1), elastic='n' in sd and (sd.get('position') is not None or not rec.get('iter')))
+
 def checkpoint_info(file)->dict:
     "What the checkpoint `file` holds, as plain values; raises `CheckpointError` if it is damaged or not a checkpoint"
     file = Path(file)
@@ -84,7 +90,7 @@ def checkpoint_info(file)->dict:
         setup = rec.get('setup') or {}
         pos = dict(epoch=rec['epoch'], iter=rec['iter'], n_iter=setup.get('n_iter'), n_epoch=setup.get('n_epoch'),
                    train_iter=rec.get('train_iter'), pct_train=rec.get('pct_train'))
-    return dict(info, resume=True, version=rec.get('version'), position=pos, fit_index=rec.get('fit_index'),
+    return dict(info, resume=True, version=rec.get('version'), position=pos, fit_index=rec.get('fit_index'), **_world(rec),
                 metrics=_metrics(rec), meta={k:_num(v) for k,v in (rec.get('meta') or {}).items()})
 
 # %% ../nbs/04_cli.ipynb #f7e3b7b7
@@ -132,6 +138,8 @@ def _table(info)->str:
         rows += [('position', f"{_pos(p)} (numbered as the progress bar: epochs and batches from 1)"),
                  ('trained', f"{p['train_iter']} batches (train_iter)"),
                  ('schedule', f"pct_train {p['pct_train']:.6f}")]
+    rows.append(('processes', f"{info['world_size']} (world size); " + ("another number continues it with elastic=True" if info['elastic'] else
+                 "only this number continues it (no sample position: written by resumable_train 0.1)")))
     if info['fit_index'] is not None: rows.append(('fit call', f"{info['fit_index']+1} (the script's fit calls counted from 1)"))
     if m['values']: rows.append(('last epoch', f"epoch {m['epoch']+1}: " + ', '.join(f"{k} {_fmt(v)}" for k,v in m['values'].items())))
     if m['loss'] is not None: rows.append(('last batch', f"smoothed loss {_fmt(m['loss'])}, lr {_fmt(m['lr'])}"))

@@ -31,7 +31,7 @@ rank = int(os.environ.get('RANK', 0))
 attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
 
 from fastai.basics import *
-from fastai.callback.tracker import SaveModelCallback
+from fastai.callback.all import *   # fit_one_cycle, SaveModelCallback (the package does not import them)
 import torch.distributed as dist
 from resumable_train.autoresume import AutoResume
 from resumable_train.distributed import DistributedTrainer
