@@ -8,14 +8,10 @@ import json, shutil, socket
 from collections import Counter
 from pathlib import Path
 import pytest, torch
-from forked import Forker
 from helpers import TESTS, load_result, diff_values
 
 SCRIPT = TESTS/'elastic_train.py'
 N,BS,EPOCHS = 30,4,3
-
-@pytest.fixture(scope='module')
-def forker(): return Forker()
 
 def free_port():
     with socket.socket() as s:

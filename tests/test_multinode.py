@@ -5,7 +5,6 @@ group killed on timeout; torchrun workers pay `import fastai` each, so the launc
 import glob, os, signal, time
 from pathlib import Path
 import pytest
-from forked import Forker
 from helpers import PY, TESTS, start, finish, kill_group, load_result, diff_values
 from test_elastic import free_port, run
 
@@ -13,10 +12,10 @@ SCRIPT = TESTS/'elastic_train.py'
 TIMEOUT = 10   # the process-group timeout the script gives DistributedTrainer
 
 @pytest.fixture(scope='module')
-def reference(tmp_path_factory):
+def reference(forker, tmp_path_factory):
     "An uninterrupted run of 2 ranks"
     out = tmp_path_factory.mktemp('ref')
-    run(Forker(), 2, out, '--tag', 'ref')
+    run(forker, 2, out, '--tag', 'ref')
     return [load_result(out/f'result-ref-rank{r}.pt') for r in (0, 1)]
 
 def node(out, port, *args, restarts=0):
