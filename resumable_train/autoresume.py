@@ -13,7 +13,9 @@ from fastcore.basics import store_attr, patch
 from fastcore.foundation import L
 from fastai.torch_core import rank_distrib
 from fastai.callback.core import Callback, CancelFitException
+from functools import partial
 from .files import *
+from .store import *
 from .state import *
 from .learner import *
 from .learner import _position, _restore_streams
@@ -22,54 +24,62 @@ from .learner import _position, _restore_streams
 __all__ = ['list_checkpoints', 'newest_valid', 'agree', 'AutoResume']
 
 # %% ../nbs/02_autoresume.ipynb #4e9f2df9
-def _ckpt_num(p, fname):
-    m = re.fullmatch(rf'{re.escape(fname)}-(\d+)\.pth', p.name)
+def _ckpt_num(name, fname):
+    m = re.fullmatch(rf'{re.escape(fname)}-(\d+)\.pth', name)
     return int(m.group(1)) if m else None
 
-def list_checkpoints(path, # the folder, usually `learn.path/learn.model_dir`
+def _entries(store, fname)->list:
+    "The `Entry`s of `store` that are resume points of `AutoResume(fname)`, newest first"
+    return sorted((e for e in store.ls() if _ckpt_num(e.name, fname) is not None), key=lambda e: -_ckpt_num(e.name, fname))
+
+def list_checkpoints(path, # the folder (usually `learn.path/learn.model_dir`), an fsspec URL, or a store
                      fname:str='autoresume', # the name `AutoResume` was given
                     )->L:
-    "The resume points `AutoResume(fname)` wrote in `path`, newest first"
-    path = Path(path)
-    if not path.is_dir(): return L()
-    return L(sorted((p for p in path.iterdir() if _ckpt_num(p, fname) is not None), key=lambda p: -_ckpt_num(p, fname)))
+    "The resume points `AutoResume(fname)` wrote in `path`, newest first (paths in a folder, URLs in a remote store)"
+    store = as_store(path)
+    return L(store.where(e.name) for e in _entries(store, fname))
 
 def newest_valid(path, fname:str='autoresume'):
     "The newest resume point in `path` that loads, as `(file, state)`, warning about each damaged one passed over; `(None, None)` if none"
-    for f in list_checkpoints(path, fname):
-        try: state = read_checkpoint(f)
-        except CheckpointError as e:
-            warnings.warn(f"{e}; skipping it")
+    store = as_store(path)
+    for e in _entries(store, fname):
+        try: state = store.load(e.name)
+        except CheckpointError as err:
+            warnings.warn(f"{err}; skipping it")
             continue
-        if resume_record(state) is None: warnings.warn(f"{f} holds no resume point; skipping it")
-        else: return f, state
+        if resume_record(state) is None: warnings.warn(f"{store.where(e.name)} holds no resume point; skipping it")
+        else: return store.where(e.name), state
     return None, None
 
 # %% ../nbs/02_autoresume.ipynb #91601401
 class _Writer:
-    "Write checkpoints one at a time, in the caller's thread or in a background thread"
+    "Run writes (`save()`, then `then()`) one at a time, in the caller's thread or in a background thread"
     def __init__(self, background=False): self.background,self.thread,self.error = background,None,None
 
-    def __call__(self, ck, file, then=None):
+    def __call__(self, save, then=None, background=None): # `background` overrides the writer's own for this write
         self.wait()
-        if not self.background: return self._write(ck, file, then)
-        self.thread = threading.Thread(target=self._write, args=(ck, file, then), daemon=True)
+        if not (self.background if background is None else background): return self._write(save, then)
+        self.thread = threading.Thread(target=self._write, args=(save, then, True), daemon=True)
         self.thread.start()
 
-    def _write(self, ck, file, then):
+    def _write(self, save, then, background=False):
         try:
-            write_checkpoint(ck, file)
+            save()
             if then: then()
         except BaseException as e:
-            if not self.background: raise
+            if not background: raise
             self.error = e
 
-    def wait(self):
-        "Finish the write in flight, raising its error"
-        if self.thread is not None: self.thread.join(); self.thread = None
+    def wait(self, timeout:float|None=None)->bool:
+        "Finish the write in flight, raising its error; `False` if it is still running after `timeout` seconds"
+        if self.thread is not None:
+            self.thread.join(timeout)
+            if self.thread.is_alive(): return False
+            self.thread = None
         if self.error is not None:
             e,self.error = self.error,None
             raise e
+        return True
 
 # %% ../nbs/02_autoresume.ipynb #6b3b302d
 def _into(new, buf=None):
@@ -97,19 +107,18 @@ _SIGNALS = ('SIGTERM', 'SIGINT', 'SIGUSR1')
 class AutoResume(Callback):
     "Write atomic, durable resume points while training; continue from the newest valid one when the script runs again"
     order = 95
-    def __init__(self, fname:str='autoresume', # files are `{fname}-0001.pth`, ... in `learn.path/learn.model_dir`
+    def __init__(self, fname:str='autoresume', # files are `{fname}-0001.pth`, ... in `dir`
                  every_iter:int|None=None, # write a resume point every `every_iter` training batches
                  every_secs:float|None=None, # write a resume point when `every_secs` seconds have passed since the last one
                  keep:int=2, # how many resume points to keep on disk
                  background:bool=False, # write from a background thread
                  signals=_SIGNALS, # signals that save a resume point and stop
                  verbose:bool=True, # say where training resumed
+                 dir=None, # a folder, an fsspec URL (`s3://bucket/run1`) or a store (`as_store`); `learn.path/learn.model_dir` by default
+                 stop_wait:float=30, # seconds a stop by a signal waits for the resume point being written
                 ):
-        store_attr('fname,every_iter,every_secs,keep,background,signals,verbose')
+        store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,dir,stop_wait')
         self.fit_index,self.fits,self.found,self.writer,self.buffers = -1,[],None,_Writer(background),None
-
-    @property
-    def folder(self): return self.learn.path/self.learn.model_dir
 
     def _say(self, msg):
         if self.verbose and not rank_distrib(): print(msg)
@@ -119,41 +128,47 @@ def _describe(rec):
     if rec['epoch'] is None: return f"the end of fit call {rec['fit_index']}"
     return f"fit call {rec['fit_index']}, epoch {rec['epoch']}, batch {rec['iter']}"
 
-def _different_run(folder, fname, diff):
-    return CheckpointError(f"{folder} holds resume points of a different run ({diff}). To start fresh, delete "
-                           f"{folder}/{fname}-*.pth or give AutoResume another fname")
+def _different_run(store, fname, diff):
+    return CheckpointError(f"{store.url} holds resume points of a different run ({diff}). To start fresh, delete "
+                           f"{store.where(fname)}-*.pth or give AutoResume another fname")
 
-def _chosen(folder, fname):
+def _stem(file):
+    "`file` without `.pth`, as `learn.load` and `learn.save` take it"
+    return file.absolute().with_suffix('') if isinstance(file, Path) else file.removesuffix('.pth')
+
+def _chosen(store, fname):
     "The newest valid resume point and its record, as chosen by rank 0 and read by every rank"
     file = None
     if not rank_distrib():
-        for p in Path(folder).glob(f'.{fname}-*.tmp'): p.unlink(missing_ok=True)  # writes that a kill interrupted
-        file = newest_valid(folder, fname)[0]
+        if isinstance(store, LocalStore):
+            for p in store.folder.glob(f'.{fname}-*.tmp'): p.unlink(missing_ok=True)  # writes that a kill interrupted
+        file = newest_valid(store, fname)[0]
+    name = None if file is None else str(file).rpartition('/')[2]
     if dist.is_available() and dist.is_initialized():
-        o = [None if file is None else str(file)]
+        o = [name]
         dist.broadcast_object_list(o, src=0)
-        file = None if o[0] is None else Path(o[0])
-    return (None, None) if file is None else (file, resume_record(read_checkpoint(file)))
+        name = o[0]
+    return (None, None) if name is None else (store.where(name), resume_record(store.load(name)))
 
 @patch
 def _decide(self:AutoResume):
     "Skip, finish or resume this fit call, depending on the newest valid resume point"
     if self.found is None:
-        self.found = _chosen(self.folder, self.fname)
-        self.next_num = max([_ckpt_num(p, self.fname) for p in list_checkpoints(self.folder, self.fname)] + [0]) + 1
+        self.found = _chosen(self.store, self.fname)
+        self.next_num = max([_ckpt_num(e.name, self.fname) for e in _entries(self.store, self.fname)] + [0]) + 1
     file,rec = self.found
     if file is None: return
     i = self.fit_index
-    if rec.get('fit_index') is None: raise _different_run(self.folder, self.fname, f"{file.name} was not written by AutoResume")
+    if rec.get('fit_index') is None: raise _different_run(self.store, self.fname, f"{str(file).rpartition('/')[2]} was not written by AutoResume")
     fits = rec.get('fits', [])
     now = run_setup(self.learn, self.n_epoch)
     if i < len(fits) and fits[i] != now:
-        raise _different_run(self.folder, self.fname, '; '.join(f"fit call {i} {k}: saved {fits[i].get(k)}, now {v}" for k,v in now.items() if fits[i].get(k) != v))
+        raise _different_run(self.store, self.fname, '; '.join(f"fit call {i} {k}: saved {fits[i].get(k)}, now {v}" for k,v in now.items() if fits[i].get(k) != v))
     if rec['fit_index'] > i: raise CancelFitException()
     if rec['fit_index'] < i: return
     self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
-    try: self.learn.load(file.absolute().with_suffix(''), with_iter=rec['epoch'] is not None)
-    except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
+    try: self.learn.load(_stem(file), with_iter=rec['epoch'] is not None)
+    except CheckpointError as e: raise _different_run(self.store, self.fname, str(e)) from e
     if rec['epoch'] is None:
         _restore_streams(self.learn, rec)
         self.skipped = True
@@ -161,22 +176,27 @@ def _decide(self:AutoResume):
 
 # %% ../nbs/02_autoresume.ipynb #a43a4e2d
 @patch
-def _save(self:AutoResume):
+def _save(self:AutoResume, stopping:float|None=None): # when stopping: the seconds left to wait for writes
     "Write a resume point at this moment of training"
-    file = self.folder/f'{self.fname}-{self.next_num:04d}.pth'
+    name = f'{self.fname}-{self.next_num:04d}.pth'
     self.next_num += 1
     extra = dict(fit_index=self.fit_index, fits=self.fits)
-    if rank_distrib(): return self.learn.save(file.absolute().with_suffix(''), extra=extra)
-    self.folder.mkdir(parents=True, exist_ok=True)
-    self.writer.wait()  # before copying: one copy of the state at a time
+    if rank_distrib(): return self.learn.save(_stem(self.store.where(name)), extra=extra)
+    if not self.writer.wait(stopping): return  # before copying: one copy of the state at a time
     ck = checkpoint(self.learn, extra=extra)
     if self.background: ck = self.buffers = _into(ck, self.buffers)
-    self.writer(ck, file, then=self._prune)
+    self.writer(partial(self.store.save, ck, name), then=self._prune, background=self.background or stopping is not None)
     self.last_save = time.monotonic()
 
 @patch
 def _prune(self:AutoResume):
-    for p in list_checkpoints(self.folder, self.fname)[self.keep:]: p.unlink(missing_ok=True)
+    entries = _entries(self.store, self.fname)
+    kept = {e.name for e in entries if e.complete}
+    kept = [e.name for e in entries if e.name in kept][:self.keep]
+    for e in entries:
+        if e.name in kept: continue
+        try: self.store.remove(e.name)
+        except OSError as err: warnings.warn(f"AutoResume could not remove an old resume point: {err}; the next resume point tries again")
 
 # %% ../nbs/02_autoresume.ipynb #4e0a3870
 @patch
@@ -203,6 +223,7 @@ def before_fit(self:AutoResume):
     if hasattr(self.learn, 'lr_finder') or not getattr(self.learn, '_fitting', False):
         self.run = False; return  # `lr_find`, and `validate`/`get_preds` (which send `before_fit` too), are not fit calls of the run
     self.fit_index += 1
+    self.store = as_store(self.learn.path/self.learn.model_dir if self.dir is None else self.dir)
     self.signum,self.skipped,self.stopped = 0,False,False
     self.last_save = time.monotonic()
     self.fits = self.fits[:self.fit_index] + [run_setup(self.learn, self.n_epoch)]
@@ -217,18 +238,26 @@ def after_batch(self:AutoResume):
     if not self.training: return
     due = bool(self.every_iter and self.train_iter % self.every_iter == 0)
     if self.every_secs: due |= bool(agree(time.monotonic() - self.last_save >= self.every_secs))
-    stop = agree(self.signum)
-    if due or stop: self._save()
-    if stop: self._stop(stop)
+    if stop := agree(self.signum): self._stop(stop)
+    elif due: self._save()
 
 @patch
 def after_epoch(self:AutoResume):
-    self._save()
     if stop := agree(self.signum): self._stop(stop)
+    else: self._save()
 
 @patch
 def _stop(self:AutoResume, signum):
-    self.writer.wait()
+    "Write a resume point, waiting at most `stop_wait` seconds for the writes, and stop"
+    deadline = time.monotonic() + self.stop_wait
+    try:
+        self._save(stopping=self.stop_wait)
+        done = self.writer.wait(max(0., deadline - time.monotonic()))
+    except Exception as e:
+        warnings.warn(f"AutoResume: {e}; stopping without this resume point (the newest complete one stands)")
+        done = True
+    if not done: self._say(f"AutoResume: the resume point being written to {self.store.url} did not finish within {self.stop_wait} s; "
+                                "stopping without it (the newest complete one stands)")
     self.stopped,self.signum = True,signum
     ep,it = _position(self.learn)
     self._say(f"AutoResume: stopped by {signal.Signals(signum).name} at epoch {ep}, batch {it}; run the same command again to continue")

@@ -20,6 +20,7 @@ from fastai.callback.schedule import ParamScheduler  # noqa: F401 (patches Learn
 from fastcore.xtras import join_path_file
 from .files import *
 from .state import *
+from .store import LocalStore, is_url, locate
 
 # %% auto #0
 __all__ = ['SeedBatches', 'resume_point', 'SkipToIter', 'checkpoint']
@@ -208,8 +209,12 @@ def checkpoint(learn, with_iter:bool=True, # include the resume point
     return make_checkpoint(to_plain(get_model(learn.model).state_dict(), copy), to_plain(learn.opt.state_dict(), copy),
                            to_plain(rec, copy) if copy else rec)
 
+def _location(learn, file):
+    "Where `file` is: an fsspec URL as it is, else in `learn.path/learn.model_dir` as fastai has it; with `.pth` added, as fastai adds it"
+    return f"{file}.pth" if is_url(str(file)) else join_path_file(file, learn.path/learn.model_dir, ext='.pth')
+
 @patch
-def save(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
+def save(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or an fsspec URL (`s3://bucket/run1/model`)
          with_opt:bool=True, # save the optimizer state
          with_iter:bool=True, # save the resume point (needs `with_opt`)
          durable:bool=True, # fsync the file and its folder
@@ -217,12 +222,16 @@ def save(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
          extra:dict|None=None, # more plain values to keep in the record
         ):
     "Save model and optimizer state to `learn.path/learn.model_dir/file`, with the resume point if `with_iter`"
-    file = join_path_file(file, self.path/self.model_dir, ext='.pth')
+    file = _location(self, file)
     if rank_distrib(): return file
+    store,name = locate(file)
     if not (with_opt and with_iter and self.opt is not None):
-        save_model(file, self.model, getattr(self,'opt',None), with_opt=with_opt, pickle_protocol=pickle_protocol)
-        return file
-    return write_checkpoint(checkpoint(self, extra=extra), file, durable=durable, pickle_protocol=pickle_protocol)
+        if isinstance(store, LocalStore):
+            save_model(file, self.model, getattr(self,'opt',None), with_opt=with_opt, pickle_protocol=pickle_protocol)
+            return file
+        sd = get_model(self.model).state_dict()  # the two forms of a stock fastai file
+        return store.save({'model': sd, 'opt': self.opt.state_dict()} if with_opt and self.opt is not None else sd, name, pickle_protocol=pickle_protocol)
+    return store.save(checkpoint(self, extra=extra), name, durable=durable, pickle_protocol=pickle_protocol)
 
 # %% ../nbs/01_learner.ipynb #61517231
 def _load_opt(opt, sd, file):
@@ -241,7 +250,7 @@ def _load_opt(opt, sd, file):
     opt.hypers = L(opt.hypers)  # saved as a plain list; fastai's optimizers keep an `L`
 
 @patch
-def load(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
+def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or an fsspec URL
          device=None, # where to put the tensors; the DataLoaders' device by default
          with_opt:bool=True, # load the optimizer state
          with_iter:bool=True, # continue from the resume point, if the file holds one
@@ -253,9 +262,10 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
     if device is None and hasattr(self.dls, 'device'): device = self.dls.device
     if isinstance(device, int): device = torch.device('cuda', device)
     if self.opt is None: self.create_opt()
-    file = join_path_file(file, self.path/self.model_dir, ext='.pth')
+    file = _location(self, file)
     distrib_barrier()
-    state = read_checkpoint(file, map_location=device or 'cpu')
+    store,name = locate(file)
+    state = store.load(name, map_location=device or 'cpu')
     hasopt = set(state) == {'model','opt'}
     try: get_model(self.model).load_state_dict(state['model'] if hasopt else state, strict=strict)
     except RuntimeError as e: raise CheckpointError(f"{file} does not match this Learner's model: {e}") from e
