@@ -32,8 +32,12 @@ class LocalStore:
     def ls(self)->L:
         "The files in the folder (not the temporary files of unfinished writes), as `Entry`s"
         if not self.folder.is_dir(): return L()
-        return L(Entry(p.name, (st := p.stat()).st_size, st.st_mtime, True) for p in sorted(self.folder.iterdir())
-                 if p.is_file() and not p.name.startswith('.'))
+        return L(self.entry(p.name) for p in sorted(self.folder.iterdir()) if p.is_file() and not p.name.startswith('.'))
+
+    def entry(self, name:str)->Entry:
+        "The `Entry` of the file `name`"
+        st = self.where(name).stat()
+        return Entry(name, st.st_size, st.st_mtime, True)
 
     def save(self, obj, name:str, durable:bool=True, pickle_protocol:int=2)->Path:
         "Write `obj` as `name`, atomically, and durably if `durable`"
@@ -128,6 +132,13 @@ def ls(self:FsspecStore)->L:
     infos = self._try('list', self.url, self.fs.ls, self.path, detail=True, absent=[])
     files = {PurePosixPath(o['name']).name: o for o in infos if o.get('type') == 'file'}
     return L(Entry(n, o.get('size'), _mtime(o), n+MANIFEST in files) for n,o in sorted(files.items()) if not n.endswith(MANIFEST))
+
+@patch
+def entry(self:FsspecStore, name:str)->Entry:
+    "The `Entry` of the data object `name`; `StoreError` if there is none"
+    url,key = self.where(name),self._key(name)
+    o = self._try('read', url, self.fs.info, key)
+    return Entry(name, o.get('size'), _mtime(o), self._try('read', url+MANIFEST, self.fs.exists, key+MANIFEST))
 
 @patch
 def save(self:FsspecStore, obj, name:str, durable:bool=True, # ignored: an object is durable once the store has accepted it
