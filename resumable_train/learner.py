@@ -6,15 +6,15 @@ Docs: https://resumable-train.github.io/resumable_train/learner.html.md"""
 
 # %% ../nbs/01_learner.ipynb #886b3d1f
 from __future__ import annotations
-import itertools, random, time, warnings
+import hashlib, inspect, itertools, math, os, random, time, warnings
 from contextlib import contextmanager
 from functools import partial, wraps
 import numpy as np, torch, fastai
-from fastcore.basics import patch, GetAttr
+from fastcore.basics import patch, GetAttr, noop
 from fastcore.foundation import L
 from fastai.torch_core import get_model, distrib_barrier, rank_distrib
-from fastai.data.load import DataLoader
-from fastai.callback.core import Callback, CancelEpochException
+from fastai.data.load import DataLoader, _FakeLoader
+from fastai.callback.core import Callback, TrainEvalCallback
 from fastai.learner import Learner, save_model
 from fastai.callback.schedule import ParamScheduler  # noqa: F401 (patches Learner.fit_one_cycle & co.)
 from fastcore.xtras import join_path_file
@@ -23,27 +23,63 @@ from .state import *
 from .store import LocalStore, is_url, locate
 
 # %% auto #0
-__all__ = ['SeedBatches', 'resume_point', 'SkipToIter', 'checkpoint']
+__all__ = ['fastai_changes', 'check_fastai', 'SeedBatches', 'resume_point', 'SkipToIter', 'checkpoint']
 
-# %% ../nbs/01_learner.ipynb #51eb41bc
-_fastai = {n: getattr(getattr(Learner, n), '_fastai', getattr(Learner, n)) for n in ('_call_one','fit','fit_one_cycle','fit_flat_cos','fit_sgdr')}
+# %% ../nbs/01_learner.ipynb #b586a816
+_TESTED_FASTAI = '2.8.8 to 2.8.12'
+_RELIED_ON = {  # what the package relies on, as fastai 2.8.8-2.8.12 write it: sha256 of the source, first 12 digits
+    'Learner._do_fit': '299119d30341', 'Learner.all_batches': '98d31c154d1a', 'Learner.one_batch': '6bc5d16db71b',
+    'Learner._with_events': '9986d5bb1cd7', 'Learner.fit': '906ea53ee218', 'Learner._call_one': 'e30949028df1',
+    'Learner.fit_one_cycle': 'e2ea8084f0fe', 'Learner.fit_flat_cos': '781c0977b26e', 'Learner.fit_sgdr': '43a0f3c91ff9',
+    'Learner.fine_tune': '7565e3ce1d15', 'Callback.__call__': '0920595b5310', 'TrainEvalCallback.after_batch': 'da1ce445d3ea',
+    'DataLoader.__iter__': 'd31a19eaa17e', 'DataLoader.create_batches': 'a2178e96cd63', 'DataLoader.get_idxs': 'c2227a694d87',
+    '_FakeLoader.__iter__': 'f39234f4c7cd'}
+_OWNERS = dict(Learner=Learner, Callback=Callback, TrainEvalCallback=TrainEvalCallback, DataLoader=DataLoader, _FakeLoader=_FakeLoader)
+
+def _fastai_code(name:str):
+    "fastai's own version of `name` ('Class.method'), also once this package has patched it"
+    cls,meth = name.split('.')
+    f = getattr(_OWNERS[cls], meth)
+    return getattr(f, '_fastai', f)
+
+def _source_hash(f)->str: return hashlib.sha256(inspect.getsource(f).encode()).hexdigest()[:12]
+
+def fastai_changes(relied_on:dict=_RELIED_ON)->list:
+    "The fastai methods the package relies on whose code differs from the fastai versions it was tested with"
+    return [n for n,h in relied_on.items() if _source_hash(_fastai_code(n)) != h]
+
+def check_fastai(relied_on:dict=_RELIED_ON):
+    "Raise `ImportError` if fastai's training loop differs from the one this package was tested with"
+    changed = fastai_changes(relied_on)
+    if not changed: return
+    msg = (f"resumable_train was tested with fastai {_TESTED_FASTAI}; the installed fastai {fastai.__version__} has other code in "
+           f"{', '.join(changed)}, so a resumed run might not end where an uninterrupted one ends. Install fastai>=2.8.8,<2.9, or set "
+           "RESUMABLE_TRAIN_ANY_FASTAI=1 to try it anyway")
+    if os.environ.get('RESUMABLE_TRAIN_ANY_FASTAI'): warnings.warn(msg)
+    else: raise ImportError(msg)
+
+check_fastai()
+
+
+# %% ../nbs/01_learner.ipynb #ec9fb6d4
+_fastai = {n: getattr(getattr(Learner, n), '_fastai', getattr(Learner, n))
+           for n in ('_with_events','one_batch','fit','fit_one_cycle','fit_flat_cos','fit_sgdr')}
+
+class _Events(Callback):
+    "Note which event is running in `learn._event`, before any other callback sees it"
+    order = -math.inf
+    def __call__(self, event_name): self.learn._event = event_name
 
 @patch
-def _call_one(self:Learner, event_name):
-    self._event = event_name
-    _fastai['_call_one'](self, event_name)
-Learner._call_one._fastai = _fastai['_call_one']
+def _with_events(self:Learner, f, event_type, ex, final=noop):
+    if event_type == 'epoch' and self.epoch < self.__dict__.get('_start_epoch', 0): return  # before the epoch `SkipToIter` starts at
+    return _fastai['_with_events'](self, f, event_type, ex, final)
+Learner._with_events._fastai = _fastai['_with_events']
 
 @patch
-def _do_fit(self:Learner):
-    for epoch in range(self.__dict__.pop('_start_epoch', 0), self.n_epoch):
-        self.epoch=epoch
-        self._with_events(self._do_epoch, 'epoch', CancelEpochException)
+def one_batch(self:Learner, i, b): return _fastai['one_batch'](self, i + getattr(self.dl, '_first_iter', 0), b)
+Learner.one_batch._fastai = _fastai['one_batch']
 
-@patch
-def all_batches(self:Learner):
-    self.n_iter = len(self.dl)
-    for o in enumerate(self.dl, getattr(self.dl, '_first_iter', 0)): self.one_batch(*o)
 
 # %% ../nbs/01_learner.ipynb #ba76844a
 def _patch_attrs(o, **attrs)->dict:
@@ -195,6 +231,8 @@ class SkipToIter(Callback):
         self.learn.dl = _FastForward(self.dl, self.start_iter, self.epoch_rng['torch'] if rp else None)
         self.start_iter = 0
 
+    def after_fit(self): self.learn.__dict__.pop('_start_epoch', None)
+
 # %% ../nbs/01_learner.ipynb #ee188288
 def _record(learn, with_iter, extra=None):
     rp = resume_point(learn) if with_iter else None
@@ -295,6 +333,7 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
     if '_resume' in self.__dict__: reset_opt = False
     cbs = L(cbs)
     if not any(isinstance(cb, SkipToIter) for cb in cbs+self.cbs): cbs += SkipToIter(start_epoch, start_iter)
+    if not any(isinstance(cb, _Events) for cb in cbs+self.cbs): cbs += _Events()
     self._fitting = True
     try: _fastai['fit'](self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt)
     finally: self._fitting = False
