@@ -203,3 +203,26 @@ def test_sigterm_waits_bounded(forker, s3, ref, tmp_path):
     rc,text = run(forker, [out, url], s3.env)
     assert rc == 0, text[-3000:]
     same_as_ref(ref, out)
+
+def test_cli_ls_inspect(s3, monkeypatch, capsys):
+    "`resumable-train ls URL` and `inspect URL` with the credentials from the environment; a wrong key is an error naming the URL"
+    import s3fs
+    from resumable_train.cli import main
+    from resumable_train.files import make_checkpoint
+    url = f's3://{s3.bucket}/cli'
+    FsspecStore(url, **s3.options()).save(make_checkpoint(CK['model'], CK['opt'], dict(epoch=None, fit_index=0)), 'a-0001.pth')
+    s3.client().put_object(Bucket=s3.bucket, Key='cli/a-0002.pth', Body=b'PK')
+    for k,v in s3.env.items(): monkeypatch.setenv(k, v)
+    s3fs.S3FileSystem.clear_instance_cache()
+    assert main(['ls', url]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f'{url}:' and len(out) == 4, out
+    assert any('valid' in l and 'finished run' in l and l.endswith('a-0001.pth') for l in out), out
+    assert any('incomplete' in l and 'has no manifest' in l and l.endswith('a-0002.pth') for l in out), out
+    assert main(['inspect', f'{url}/a-0001.pth']) == 0
+    assert f'{url}/a-0001.pth' in capsys.readouterr().out
+    monkeypatch.setenv('AWS_SECRET_ACCESS_KEY', 'wrong')
+    s3fs.S3FileSystem.clear_instance_cache()
+    assert main(['ls', url]) == 2
+    assert f'Could not list {url}: access refused' in capsys.readouterr().err
+    s3fs.S3FileSystem.clear_instance_cache()
