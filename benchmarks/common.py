@@ -7,7 +7,7 @@ from fastai.data.load import DataLoader
 from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 from fastai.callback.progress import ProgressCallback
-import resumable_train
+import resumable_train.learner  # noqa: F401 (patches Learner.save/load/fit)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent/'results'

@@ -6,11 +6,12 @@ Docs: https://resumable-train.github.io/resumable_train/autoresume.html.md"""
 
 # %% ../nbs/02_autoresume.ipynb #d52bcc89
 from __future__ import annotations
-import re, signal, threading, time, warnings
+import fcntl, os, re, signal, struct, threading, time, warnings
 from pathlib import Path
 import torch, torch.distributed as dist
 from fastcore.basics import store_attr, patch
 from fastcore.foundation import L
+from fastprogress.fastprogress import ConsoleProgressBar, printing
 from fastai.torch_core import rank_distrib
 from fastai.callback.core import Callback, CancelFitException
 from functools import partial
@@ -18,7 +19,7 @@ from .files import *
 from .store import *
 from .state import *
 from .learner import *
-from .learner import _position, _restore_streams
+from .learner import _position, _restore_streams, _load_through, _bypassed, _plan_changes, fit_plan
 
 # %% auto #0
 __all__ = ['list_checkpoints', 'newest_valid', 'agree', 'AutoResume']
@@ -27,6 +28,8 @@ __all__ = ['list_checkpoints', 'newest_valid', 'agree', 'AutoResume']
 def _ckpt_num(name, fname):
     m = re.fullmatch(rf'{re.escape(fname)}-(\d+)\.pth', name)
     return int(m.group(1)) if m else None
+
+def _name(file)->str: return str(file).rpartition('/')[2]
 
 def _entries(store, fname)->list:
     "The `Entry`s of `store` that are resume points of `AutoResume(fname)`, newest first"
@@ -43,7 +46,7 @@ def newest_valid(path, fname:str='autoresume'):
     "The newest resume point in `path` that loads, as `(file, state)`, warning about each damaged one passed over; `(None, None)` if none"
     store = as_store(path)
     for e in _entries(store, fname):
-        try: state = store.load(e.name)
+        try: state = store.load(e.name, mmap=True)  # the scan looks at the record: the weights stay on disk
         except CheckpointError as err:
             warnings.warn(f"{err}; skipping it")
             continue
@@ -93,6 +96,44 @@ def _into(new, buf=None):
         return type(new)(_into(v, b) for v,b in zip(new, bufs))
     return new
 
+# %% ../nbs/02_autoresume.ipynb #65314c22
+_held = {}  # the lock file of each run this process holds -> its descriptor
+
+def _tmp_files(folder, fname):
+    "The temporary files of writes of run `fname` that did not finish"
+    pat = re.compile(rf'\.{re.escape(fname)}-\d+\.pth\.\w+\.tmp')
+    return [p for p in Path(folder).iterdir() if pat.fullmatch(p.name)] if Path(folder).is_dir() else []
+
+def _holder(fd)->str:
+    "The process that holds the lock on `fd`, as the system reports it"
+    fmt = '@hhqqi'  # struct flock: l_type, l_whence, l_start, l_len, l_pid
+    try: pid = struct.unpack_from(fmt, fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack(fmt, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0).ljust(64, b'\0')))[-1]
+    except OSError: return "another process"
+    return f"another process (pid {pid})" if pid > 0 else "another process"
+
+def _lock_run(folder, fname, wait:float=0)->Path:
+    "Hold run `fname`'s lock in `folder`, waiting at most `wait` seconds for another process to release it; remove the run's stale temporary files"
+    f = (Path(folder)/f'.{fname}.lock').absolute()
+    if str(f) in _held: return f
+    f.parent.mkdir(parents=True, exist_ok=True)
+    fd,deadline = os.open(f, os.O_RDWR|os.O_CREAT|os.O_CLOEXEC, 0o666),time.monotonic() + wait
+    while True:
+        try: fcntl.lockf(fd, fcntl.LOCK_EX|fcntl.LOCK_NB); break
+        except OSError:
+            if time.monotonic() < deadline: time.sleep(0.1); continue
+            holder = _holder(fd)
+            os.close(fd)
+            raise RuntimeError(f"{f.parent} is in use: {holder} is training run '{fname}' there. Wait until it ends "
+                               "(AutoResume(wait=...) waits for it), stop it, or give AutoResume another fname") from None
+    _held[str(f)] = fd
+    for p in _tmp_files(folder, fname): p.unlink(missing_ok=True)  # writes that a kill interrupted: no live process writes them now
+    return f
+
+def _unlock_run(f):
+    "Let other processes train the run again (for tests: a process holds its runs until it ends)"
+    fd = _held.pop(str(f), None)
+    if fd is not None: os.close(fd)  # closing releases the lock
+
 # %% ../nbs/02_autoresume.ipynb #127654cc
 def agree(x:int)->int:
     "The maximum of `x` over all ranks (the value itself without `torch.distributed`)"
@@ -110,99 +151,168 @@ class AutoResume(Callback):
     def __init__(self, fname:str='autoresume', # files are `{fname}-0001.pth`, ... in `dir`
                  every_iter:int|None=None, # write a resume point every `every_iter` training batches
                  every_secs:float|None=None, # write a resume point when `every_secs` seconds have passed since the last one
-                 keep:int=2, # how many resume points to keep on disk
+                 keep:int=2, # how many resume points to keep on disk (besides the end state of each completed fit call)
                  background:bool=False, # write from a background thread
                  signals=_SIGNALS, # signals that save a resume point and stop
                  verbose:bool=True, # say where training resumed
+                 strict_hypers:bool=False, # refuse to continue a fit call asked for other hyperparameters (by default a warning names them)
+                 wait:float=0, # seconds to wait for another process training this run (by default refuse at once)
                  dir=None, # a folder, an fsspec URL (`s3://bucket/run1`) or a store (`as_store`); `learn.path/learn.model_dir` by default
                  stop_wait:float=30, # seconds a stop by a signal waits for the resume point being written
                 ):
-        store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,dir,stop_wait')
-        self.fit_index,self.fits,self.found,self.writer,self.buffers = -1,[],None,_Writer(background),None
+        if not (isinstance(keep, int) and keep >= 1):
+            raise ValueError(f"AutoResume(keep={keep!r}): keep at least 1 resume point; with none, a stopped run could not continue")
+        store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,dir,stop_wait')
+        self.done,self.fits,self.ends,self.unfinished = 0,[],[],False
+        self.writer,self.host_copy,self.fitting = _Writer(background),None,False
 
-    def _say(self, msg):
-        if self.verbose and not rank_distrib(): print(msg)
+    @property
+    def store(self):
+        "Where the resume points live"
+        return as_store(self.learn.path/self.learn.model_dir if self.dir is None else self.dir)
+
+    @property
+    def folder(self): return getattr(self.store, 'folder', self.store.url)  # a local folder, or a URL
+
+    def _say(self, msg, own_line=False):
+        if not self.verbose or rank_distrib(): return
+        pbar = getattr(getattr(self.learn, 'progress', None), 'pbar', None)
+        if own_line and isinstance(pbar, ConsoleProgressBar) and printing(): print()  # the bar's line has no end yet
+        print(msg)
 
 # %% ../nbs/02_autoresume.ipynb #b10491a1
 def _describe(rec):
-    if rec['epoch'] is None: return f"the end of fit call {rec['fit_index']}"
-    return f"fit call {rec['fit_index']}, epoch {rec['epoch']}, batch {rec['iter']}"
-
-def _different_run(store, fname, diff):
-    return CheckpointError(f"{store.url} holds resume points of a different run ({diff}). To start fresh, delete "
-                           f"{store.where(fname)}-*.pth or give AutoResume another fname")
+    "Where a record stands, numbered as the progress bar numbers it"
+    i = rec['fit_index']
+    s = rec['setup'] if rec['epoch'] is not None else rec['fits'][i]
+    pos = (position_text(rec['epoch'], rec['iter'], s['n_epoch'], s['n_iter']) if rec['epoch'] is not None else
+           f"end of epoch {rec.get('last_epoch', s['n_epoch']-1)+1}/{s['n_epoch']}")
+    return f"fit call {i+1}, {pos}" if len(rec['fits']) > 1 else pos
 
 def _stem(file):
     "`file` without `.pth`, as `learn.load` and `learn.save` take it"
     return file.absolute().with_suffix('') if isinstance(file, Path) else file.removesuffix('.pth')
 
-def _chosen(store, fname):
-    "The newest valid resume point and its record, as chosen by rank 0 and read by every rank"
-    file = None
-    if not rank_distrib():
-        if isinstance(store, LocalStore):
-            for p in store.folder.glob(f'.{fname}-*.tmp'): p.unlink(missing_ok=True)  # writes that a kill interrupted
-        file = newest_valid(store, fname)[0]
-    name = None if file is None else str(file).rpartition('/')[2]
-    if dist.is_available() and dist.is_initialized():
-        o = [name]
-        dist.broadcast_object_list(o, src=0)
-        name = o[0]
-    return (None, None) if name is None else (store.where(name), resume_record(store.load(name)))
+def _refusal(folder, fname, what):
+    return CheckpointError(f"{what}. To start fresh, delete {folder}/{fname}-*.pth or give AutoResume another fname")
+
+def _different_run(folder, fname, diff): return _refusal(folder, fname, f"{folder} holds resume points of a different run ({diff})")
 
 @patch
-def _decide(self:AutoResume):
-    "Skip, finish or resume this fit call, depending on the newest valid resume point"
-    if self.found is None:
-        self.found = _chosen(self.store, self.fname)
-        self.next_num = max([_ckpt_num(e.name, self.fname) for e in _entries(self.store, self.fname)] + [0]) + 1
-    file,rec = self.found
-    if file is None: return
-    i = self.fit_index
-    if rec.get('fit_index') is None: raise _different_run(self.store, self.fname, f"{str(file).rpartition('/')[2]} was not written by AutoResume")
-    fits = rec.get('fits', [])
-    now = run_setup(self.learn, self.n_epoch)
+def _scan(self:AutoResume):
+    "Take the run's lock, then find the newest valid resume point and its record (rank 0 chooses, every rank reads it)"
+    file,rec,err = None,None,None
+    if not rank_distrib():
+        try:
+            if isinstance(self.store, LocalStore): _lock_run(self.folder, self.fname, self.wait)
+            file,state = newest_valid(self.store, self.fname)
+            rec = None if file is None else resume_record(state)
+        except RuntimeError as e: err = str(e)
+    if dist.is_available() and dist.is_initialized():
+        o = [None if file is None else str(file), err]
+        dist.broadcast_object_list(o, src=0)
+        if rank_distrib() and o[0] is not None: file,rec = o[0],resume_record(self.store.load(_name(o[0]), mmap=True))
+        err = o[1]
+    if err: raise RuntimeError(err)
+    self.next_num = max([_ckpt_num(e.name, self.fname) for e in _entries(self.store, self.fname)] + [0]) + 1
+    return file, rec
+
+@patch
+def _hypers_changed(self:AutoResume, saved, plan, file, then):
+    "Warn, or with `strict_hypers` refuse, when this fit call was asked for other hyperparameters than `file` was written with"
+    ch = _plan_changes(saved, plan)
+    if not ch: return
+    msg = f"AutoResume: fit call {self.fit_index+1} was asked for other hyperparameters than {file} was written with ({'; '.join(ch)})"
+    if self.strict_hypers: raise CheckpointError(f"{msg}. To continue it, undo the change; to start fresh, delete {self.folder}/{self.fname}-*.pth or give AutoResume another fname")
+    warnings.warn(f"{msg}; {then} (strict_hypers=True refuses)")
+
+@patch
+def _load_end(self:AutoResume, file, plan, i):
+    "Leave the Learner as fit call `i` left it: the end state in `file` (checking the hyperparameters against `plan`)"
+    try: rec = resume_record(self.store.load(_name(file)))
+    except CheckpointError as e: raise _refusal(self.folder, self.fname, f"AutoResume: fit call {i+1} finished in an earlier run, but its end state cannot be loaded: {e}") from e
+    if rec is None or rec.get('fit_index') != i or rec.get('epoch') is not None:
+        raise _refusal(self.folder, self.fname, f"AutoResume: {file} is named as the end state of fit call {i+1} but does not hold it")
+    self._hypers_changed(rec.get('plan'), plan, file, "its result is used as it is")
+    _load_through(self.learn, _stem(file), with_iter=False)
+    _restore_streams(self.learn, rec)
+    self.learn.train_iter,self.learn.pct_train = rec['train_iter'],rec['pct_train']
+    if rec.get('last_epoch') is not None: self.learn.epoch = rec['last_epoch']
+    self.ends = list(rec.get('ends', [])[:i]) + [_name(file)]  # records of 0.1.0 have no ledger
+    return rec
+
+@patch
+def _decide(self:AutoResume, plan):
+    "Skip, resume or start this fit call, from the newest valid resume point of the run (see above)"
+    i,now = self.fit_index,self.fits[-1]
+    file,rec = self._scan()
+    if self.unfinished and (file is None or rec.get('fit_index', -1) < i):
+        raise CheckpointError(f"AutoResume: fit call {i+1} stopped in this process before it wrote a resume point in {self.folder}, so the "
+                              "Learner no longer holds the state that call started from. Build the Learner again and run its fit calls "
+                              "again: the completed ones are loaded, not trained again")
+    if file is None:
+        self.ends = self.ends[:i]
+        return
+    if rec.get('fit_index') is None: raise _different_run(self.folder, self.fname, f"{_name(file)} was not written by AutoResume")
+    f,end,fits,ends = rec['fit_index'],rec['epoch'] is None,rec['fits'],rec.get('ends', [])
     if i < len(fits) and fits[i] != now:
-        raise _different_run(self.store, self.fname, '; '.join(f"fit call {i} {k}: saved {fits[i].get(k)}, now {v}" for k,v in now.items() if fits[i].get(k) != v))
-    if rec['fit_index'] > i: raise CancelFitException()
-    if rec['fit_index'] < i: return
-    self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
-    try: self.learn.load(_stem(file), with_iter=rec['epoch'] is not None)
-    except CheckpointError as e: raise _different_run(self.store, self.fname, str(e)) from e
-    if rec['epoch'] is None:
-        _restore_streams(self.learn, rec)
+        raise _different_run(self.folder, self.fname, '; '.join(f"fit call {i+1} {k}: saved {fits[i].get(k)}, now {v}" for k,v in now.items() if fits[i].get(k) != v))
+    if f > i or (f == i and end):
+        name = _name(file) if f == i else ends[i] if i < len(ends) else None
+        if name is None: raise _refusal(self.folder, self.fname, f"AutoResume: fit call {i+1} finished in an earlier run, but {file} does not name the file of its end state")
+        end_rec = self._load_end(self.store.where(name), plan, i)
+        if f == i: self._say(f"AutoResume: this run already finished at {file} ({_describe(end_rec)}); nothing to train. "
+                             f"Delete {self.folder}/{self.fname}-*.pth to train again.")
+        else: self._say(f"AutoResume: fit call {i+1} finished in an earlier run; its end state is loaded from {self.store.where(name)}")
         self.skipped = True
         raise CancelFitException()
+    if f == i:
+        self._hypers_changed(rec.get('plan'), plan, file, "continuing anyway, so the result matches neither run")
+        self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
+        try: _load_through(self.learn, _stem(file), strict_hypers=None)
+        except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
+        self.ends = list(ends[:i])
+        return
+    if (f, end) != (i-1, True):
+        raise _refusal(self.folder, self.fname, f"AutoResume: the newest resume point in {self.folder} is at {_describe(rec)}, but this process "
+                       f"has already finished fit call {i}: the files changed while it ran")
+    self.ends = list(ends[:i])
 
 # %% ../nbs/02_autoresume.ipynb #a43a4e2d
 @patch
-def _save(self:AutoResume, stopping:float|None=None): # when stopping: the seconds left to wait for writes
+def _save(self:AutoResume, end:bool=False, # the end of the fit call, which the ledger keeps
+          stopping:float|None=None): # when a signal stops the run: the seconds left to wait for the write in flight
     "Write a resume point at this moment of training"
     name = f'{self.fname}-{self.next_num:04d}.pth'
     self.next_num += 1
-    extra = dict(fit_index=self.fit_index, fits=self.fits)
+    ends = self.ends[:self.fit_index] + ([name] if end else [])
+    extra = dict(fit_index=self.fit_index, fits=self.fits, ends=ends, **({'last_epoch': self.epoch} if end else {}))
+    if end: self.ends = ends
     if rank_distrib(): return self.learn.save(_stem(self.store.where(name)), extra=extra)
     if not self.writer.wait(stopping): return  # before copying: one copy of the state at a time
     ck = checkpoint(self.learn, extra=extra)
-    if self.background: ck = self.buffers = _into(ck, self.buffers)
+    if self.background: ck = self.host_copy = _into(ck, self.host_copy)
     self.writer(partial(self.store.save, ck, name), then=self._prune, background=self.background or stopping is not None)
     self.last_save = time.monotonic()
 
 @patch
 def _prune(self:AutoResume):
     entries = _entries(self.store, self.fname)
-    kept = {e.name for e in entries if e.complete}
-    kept = [e.name for e in entries if e.name in kept][:self.keep]
+    keep = [e.name for e in entries if e.complete][:self.keep]
     for e in entries:
-        if e.name in kept: continue
+        if e.name in keep or e.name in self.ends: continue
         try: self.store.remove(e.name)
         except OSError as err: warnings.warn(f"AutoResume could not remove an old resume point: {err}; the next resume point tries again")
 
 # %% ../nbs/02_autoresume.ipynb #4e0a3870
+_ONE_SIGNAL = 0.5  # seconds within which the same signal twice counts once
+
 @patch
 def _on_signal(self:AutoResume, signum, frame):
+    now = time.monotonic()
+    if signum == self.signum and now - self.signal_time < _ONE_SIGNAL: return
     if self.signum == signal.SIGINT and signum == signal.SIGINT: raise KeyboardInterrupt
-    self.signum = signum
+    self.signum,self.signal_time = signum,now
 
 @patch
 def _install_handlers(self:AutoResume):
@@ -220,22 +330,30 @@ def _restore_handlers(self:AutoResume):
 # %% ../nbs/02_autoresume.ipynb #6d780516
 @patch
 def before_fit(self:AutoResume):
-    if hasattr(self.learn, 'lr_finder') or not getattr(self.learn, '_fitting', False):
-        self.run = False; return  # `lr_find`, and `validate`/`get_preds` (which send `before_fit` too), are not fit calls of the run
-    self.fit_index += 1
-    self.store = as_store(self.learn.path/self.learn.model_dir if self.dir is None else self.dir)
-    self.signum,self.skipped,self.stopped = 0,False,False
-    self.last_save = time.monotonic()
+    if hasattr(self.learn, 'lr_finder'): self.run = False; return  # `lr_find` is not a fit call of the run
+    self.fitting = getattr(self.learn, '_fitting', False)
+    if not self.fitting: return  # `validate` and `get_preds` send `before_fit` too; a fit that bypasses `Learner.fit` fails in `before_train`
+    self._restore_handlers()  # a fit call that an exception ended left them
+    self.fit_index = self.done
+    self.signum,self.signal_time,self.skipped,self.stopped = 0,0.,False,False
+    plan = fit_plan(self.learn)  # before a resume point's optimizer state replaces the hyperparameters this call was given
     self.fits = self.fits[:self.fit_index] + [run_setup(self.learn, self.n_epoch)]
-    workers = getattr(getattr(self.dls.train, 'fake_l', None), 'num_workers', 0)
+    workers = getattr(getattr(self.dls.train, 'fake_l', self.dls.train), 'num_workers', 0)  # fastai's DataLoader, or PyTorch's
     self.added_seed = bool(workers) and not any(isinstance(cb, SeedBatches) for cb in self.learn.cbs)
     if self.added_seed: self.learn.add_cb(SeedBatches())
-    self._decide()
+    try: self._decide(plan)
+    except CancelFitException: raise
+    except BaseException: self._cleanup(); raise
+    self.unfinished,self.last_save = True,time.monotonic()
     self._install_handlers()
 
 @patch
+def before_train(self:AutoResume):
+    if not self.fitting: raise _bypassed(self.learn, 'fit')
+
+@patch
 def after_batch(self:AutoResume):
-    if not self.training: return
+    if not (self.fitting and self.training): return
     due = bool(self.every_iter and self.train_iter % self.every_iter == 0)
     if self.every_secs: due |= bool(agree(time.monotonic() - self.last_save >= self.every_secs))
     if stop := agree(self.signum): self._stop(stop)
@@ -243,6 +361,7 @@ def after_batch(self:AutoResume):
 
 @patch
 def after_epoch(self:AutoResume):
+    if not self.fitting: return
     if stop := agree(self.signum): self._stop(stop)
     else: self._save()
 
@@ -257,29 +376,36 @@ def _stop(self:AutoResume, signum):
         warnings.warn(f"AutoResume: {e}; stopping without this resume point (the newest complete one stands)")
         done = True
     if not done: self._say(f"AutoResume: the resume point being written to {self.store.url} did not finish within {self.stop_wait} s; "
-                                "stopping without it (the newest complete one stands)")
+                           "stopping without it (the newest complete one stands)", own_line=True)
     self.stopped,self.signum = True,signum
     ep,it = _position(self.learn)
-    self._say(f"AutoResume: stopped by {signal.Signals(signum).name} at epoch {ep}, batch {it}; run the same command again to continue")
+    self._say(f"AutoResume: stopped by {signal.Signals(signum).name} at {position_text(ep, it, self.n_epoch, len(self.dls.train))}; "
+              "resume point saved, run the same command again to continue", own_line=True)
     raise CancelFitException()
 
 @patch
 def _cleanup(self:AutoResume):
     self._restore_handlers()
-    self.buffers = None
-    if self.added_seed: self.learn.remove_cbs(L(self.learn.cbs).filter(lambda cb: isinstance(cb, SeedBatches)))
+    self.host_copy = None
+    if self.added_seed:
+        seeds = L(self.learn.cbs).filter(lambda cb: isinstance(cb, SeedBatches))
+        for cb in seeds: cb.after_train()  # a stop inside the training phase left its patches on the DataLoader
+        self.learn.remove_cbs(seeds)
 
 @patch
 def after_cancel_fit(self:AutoResume):
     "A stop by a signal ends the process here, before other callbacks' `after_fit` (which may fail on a half-trained run)"
-    if not self.stopped: return
+    if not (self.fitting and self.stopped): return
     self._cleanup()
     if self.signum == signal.SIGINT: raise KeyboardInterrupt("AutoResume: stopped by Ctrl-C; resume point saved")
     raise SystemExit(128 + self.signum)
 
 @patch
 def after_fit(self:AutoResume):
+    if not self.fitting: return
+    self.fitting = False
     try:
-        if not self.skipped: self._save()
+        if not self.skipped: self._save(end=True)
         self.writer.wait()
+        self.done,self.unfinished = self.fit_index+1,False
     finally: self._cleanup()

@@ -10,7 +10,6 @@ import argparse, datetime, hashlib, json, sys, time
 from pathlib import Path
 import torch
 from torch import nn
-from fastai.basics import Learner, DataLoaders, DataLoader, Flatten, CrossEntropyLossFlat, accuracy, set_seed, Callback
 from .files import read_checkpoint, resume_record, CheckpointError, _unpack
 from .store import as_store, is_url, locate, LocalStore, StoreError
 
@@ -22,9 +21,12 @@ def digits_learner(path='.', # the folder whose `models/` holds the checkpoints
                    bs:int=32, # batch size
                    seed:int=42, # seeds the split, the initial weights and the data order
                    **kwargs # passed on to `Learner`
-                  )->Learner:
+                  ): # a fastai `Learner` (fastai is imported here, not when the command starts)
     "A `Learner` for a small CNN on scikit-learn's 8x8 digits, the same every time it is built with the same `seed`"
     from sklearn.datasets import load_digits
+    import fastai.callback.schedule  # noqa: F401 (`fit_one_cycle` & co., which its users call; not imported with the package)
+    from fastai.basics import Learner, DataLoaders, DataLoader, Flatten, CrossEntropyLossFlat, accuracy, set_seed
+    import resumable_train.learner  # noqa: F401 (patches Learner.save/load/fit)
     set_seed(seed, reproducible=True)
     x,y = load_digits(return_X_y=True)
     x,y = torch.tensor(x, dtype=torch.float32).view(-1, 1, 8, 8)/16,torch.tensor(y)
@@ -56,15 +58,26 @@ def _metrics(rec):
     return dict(epoch=len(vals)-1 if vals else None, values=dict(zip(names, row)),
                 loss=_num(losses[-1]) if losses else None, lr=_num(lrs[-1]) if lrs else None)
 
+def _kind(state):
+    "'resume', 'fastai' (model and optimizer, no resume point) or 'weights' (a dictionary of tensors); `None` for anything else"
+    if resume_record(state) is not None: return 'resume'
+    if set(state) == {'model','opt'}: return 'fastai'
+    if all(isinstance(v, torch.Tensor) for v in state.values()): return 'weights'
+
+def _keys(d, n=3): return ', '.join(map(repr, list(d)[:n])) + (f" and {len(d)-n} more" if len(d) > n else '')
+
 def checkpoint_info(file)->dict:
     "What the checkpoint `file` holds, as plain values; raises `CheckpointError` if it is damaged or not a checkpoint"
     store,name = locate(file)
     state = store.load(name)
+    kind = _kind(state)
+    if kind is None: raise CheckpointError(f"{file} holds a dictionary (keys {_keys(state)}) that is neither a fastai checkpoint (whose keys are "
+                                           "'model' and 'opt') nor model weights (tensors only); `learn.load` cannot use it")
     st = store.entry(name)
-    weights = state['model'] if set(state) == {'model','opt'} else state
+    weights = state if kind == 'weights' else state['model']
     tensors = [v for v in weights.values() if isinstance(v, torch.Tensor)] if isinstance(weights, dict) else []
-    info = dict(file=str(file), size=st.size, modified=st.modified, with_opt=set(state) == {'model','opt'},
-                n_tensors=len(tensors), n_values=sum(t.numel() for t in tensors))
+    info = dict(file=str(file), size=st.size, modified=st.modified, kind=kind, with_opt=kind != 'weights',
+                n_tensors=len(tensors), n_values=sum(t.numel() for t in tensors), keys=list(weights)[:3] if kind == 'weights' else None)
     rec = resume_record(state)
     if rec is None: return dict(info, resume=False)
     pos = None
@@ -83,32 +96,52 @@ def _bytes(n):
         if n < 1000 or u == 'GB': return f"{n} B" if u == 'B' else f"{n:.1f} {u}"
         n /= 1000
 
+def _pos(p):
+    "A resume point's position numbered as fastai's progress bar numbers it: epochs and batches from 1, batches done so far"
+    if p['iter'] == 0: return f"after epoch {p['epoch']}/{p['n_epoch']}" if p['epoch'] else f"start of epoch 1/{p['n_epoch']}"
+    return f"epoch {p['epoch']+1}/{p['n_epoch']}, after batch {p['iter']}/{p['n_iter']}"
+
 def _where(info):
     "A short description of where a checkpoint's run stands"
-    if not info['resume']: return "no resume point (stock fastai file)"
+    if info['kind'] == 'fastai': return "no resume point (fastai model and optimizer)"
+    if info['kind'] == 'weights': return "no resume point (weights only)"
     p = info['position']
-    if p is None: return "finished run (saved after fit returned)"
-    return f"epoch {p['epoch']}, batch {p['iter']} of {p['n_iter']}"
+    return "finished run (saved after fit returned)" if p is None else _pos(p)
 
 def _fmt(v): return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+_SAYS = {
+    'fastai': "no resume point: fastai's model and optimizer (stock fastai, or `with_iter=False`); `learn.load` reads both, "
+              "and the next fit starts from its first epoch",
+    'weights': "no resume point: model weights only, not a fastai checkpoint with its optimizer (`learn.save(..., with_opt=False)` "
+               "and `torch.save(model.state_dict())` write these); `learn.load` loads them into a model whose parameter names and "
+               "shapes match, warns that there is no optimizer state, and the next fit starts from its first epoch"}
 
 def _table(info)->str:
     "`info` from `checkpoint_info` as a two-column table"
     rows = [('file', info['file']), ('status', f"valid, {_bytes(info['size'])}, modified {_when(info['modified'])}")]
+    n = info['n_tensors']
+    what = f"{n} tensor{'s'*(n != 1)}, {info['n_values']:,} values"
+    if info['kind'] == 'weights': rows.append(('holds', f"{what} (keys {_keys(info['keys'])}{' and more' if info['n_tensors'] > 3 else ''})"))
+    else: rows.append(('holds', f"model ({what}), optimizer" + (f", resume record format {info['version']}" if info['resume'] else '')))
+    if not info['resume']:
+        rows.append(('position', _SAYS[info['kind']]))
+        return _rows(rows)
     p,m = info['position'],info['metrics']
-    rows.append(('holds', f"model ({info['n_tensors']} tensors, {info['n_values']:,} values)"
-                          f"{', optimizer' if info['with_opt'] else ''}, resume record format {info['version']}"))
     if p is None: rows.append(('position', _where(info)))
     else:
-        rows += [('position', f"epoch {p['epoch']}, next batch {p['iter']} (counted from 0; {p['n_epoch']} epochs of {p['n_iter']} batches)"),
+        rows += [('position', f"{_pos(p)} (numbered as the progress bar: epochs and batches from 1)"),
                  ('trained', f"{p['train_iter']} batches (train_iter)"),
                  ('schedule', f"pct_train {p['pct_train']:.6f}")]
-    if info['fit_index'] is not None: rows.append(('fit call', str(info['fit_index'])))
-    if m['values']: rows.append(('last epoch', f"epoch {m['epoch']}: " + ', '.join(f"{k} {_fmt(v)}" for k,v in m['values'].items())))
+    if info['fit_index'] is not None: rows.append(('fit call', f"{info['fit_index']+1} (the script's fit calls counted from 1)"))
+    if m['values']: rows.append(('last epoch', f"epoch {m['epoch']+1}: " + ', '.join(f"{k} {_fmt(v)}" for k,v in m['values'].items())))
     if m['loss'] is not None: rows.append(('last batch', f"smoothed loss {_fmt(m['loss'])}, lr {_fmt(m['lr'])}"))
     meta = info['meta']
     if meta: rows.append(('written', ' '.join(filter(None, [_when(meta['time']) if 'time' in meta else None, 'with',
                           ', '.join(f"{k} {v}" for k,v in meta.items() if k != 'time')]))))
+    return _rows(rows)
+
+def _rows(rows):
     w = max(len(k) for k,_ in rows)
     return '\n'.join(f"{k:<{w}}  {v}" for k,v in rows)
 
@@ -117,17 +150,18 @@ def _err(msg)->int:
     print(f"resumable-train: {msg}", file=sys.stderr)
     return 2
 
+_NUMBERING = "position.epoch and position.iter count from 0 (iter: the next batch to train); fit_index counts from 0"
+
 def _inspect(a)->int:
-    try: info = checkpoint_info(a.path)
+    try:
+        if not is_url(a.path) and Path(a.path).is_dir():
+            raise CheckpointError(f"{a.path} is a folder, not a checkpoint file; `resumable-train ls {a.path}` lists the checkpoints in it")
+        info = checkpoint_info(a.path)
     except (CheckpointError, StoreError) as e:
-        if a.json: print(json.dumps(dict(file=str(a.path), valid=False, error=str(e))))
-        return _err(e)
-    if not info['resume']:
-        if a.json: print(json.dumps(dict(info, valid=True)))
-        what = 'model weights and optimizer state' if info['with_opt'] else 'model weights only'
-        return _err(f"{a.path} holds no resume point: it is a stock fastai checkpoint ({what}); "
-                    "`learn.load` reads it, and training then starts from the beginning")
-    print(json.dumps(dict(info, valid=True), indent=1) if a.json else _table(info))
+        if not a.json: return _err(e)
+        print(json.dumps(dict(file=str(a.path), valid=False, error=str(e)), indent=1))
+        return 2
+    print(json.dumps(dict(info, valid=True, numbering=_NUMBERING), indent=1) if a.json else _table(info))
     return 0
 
 # %% ../nbs/04_cli.ipynb #e1c788ea
@@ -154,7 +188,7 @@ def _ls(a)->int:
     for e in entries:
         f = store.where(e.name)
         try: info = checkpoint_info(f); status,where = 'valid',_where(info)
-        except CheckpointError as err: status,where = 'damaged' if e.complete else 'incomplete',str(err).removeprefix(str(f)).strip()
+        except CheckpointError as err: status,where = 'invalid' if e.complete else 'incomplete',str(err).removeprefix(str(f)).strip()
         rows.append((_when(e.modified or 0), _bytes(e.size), status, where, e.name))
     ws = [max(len(r[i]) for r in rows) for i in range(4)]
     print(f"{store.url}:")
@@ -162,14 +196,14 @@ def _ls(a)->int:
     return 0
 
 # %% ../nbs/04_cli.ipynb #af71e1e5
-class _Pause(Callback):
-    "Wait `secs` after each training batch"
-    def __init__(self, secs:float): self.secs = secs
-    def after_batch(self):
-        if self.training and self.secs: time.sleep(self.secs)
-
 def _demo(a)->int:
+    from fastai.callback.core import Callback
     from resumable_train.autoresume import AutoResume
+    class _Pause(Callback):
+        "Wait `secs` after each training batch"
+        def __init__(self, secs:float): self.secs = secs
+        def after_batch(self):
+            if self.training and self.secs: time.sleep(self.secs)
     torch.set_num_threads(1)
     learn = digits_learner(a.dir.absolute(), cbs=[AutoResume(), _Pause(a.pause)])
     print(f"Training a small CNN on scikit-learn's digits for {a.epochs} epochs, with resume points in {learn.path/learn.model_dir}.\n"

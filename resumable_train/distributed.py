@@ -7,19 +7,17 @@ Docs: https://resumable-train.github.io/resumable_train/distributed.html.md"""
 # %% ../nbs/03_distributed.ipynb #fedd3fbd
 from __future__ import annotations
 import os, time, datetime, contextlib
-from functools import wraps
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import GetAttr, patch
 from fastai.torch_core import to_detach, rank_distrib, noop
 from fastai.data.load import DataLoader, _FakeLoader
-from fastai.learner import Learner
 from fastai.callback.core import Callback, CancelFitException
-from fastai.callback.progress import ProgressCallback, ShowGraphCallback, CSVLogger
 from .files import *
 from .state import *
-from .state import _metric_state, _set_metric_state
+from .state import _metric_state, _set_metric_state, _qualname
 from .learner import *
+from .learner import _world_error
 from .autoresume import agree
 
 # %% auto #0
@@ -77,7 +75,10 @@ def _to_inner(n):
 for _n in ('randomize','wif','before_iter','after_batch','create_batches','do_item','do_batch','new'): setattr(_ShardDL, _n, _to_inner(_n))
 
 # %% ../nbs/03_distributed.ipynb #8511e83a
-_RANK0 = (ProgressCallback, ShowGraphCallback, CSVLogger)
+_RANK0 = {f'fastai.callback.progress.{n}' for n in ('ProgressCallback','ShowGraphCallback','CSVLogger')}  # by name: importing
+# fastai.callback.progress would add `ProgressCallback` to fastai's default callbacks
+
+def _rank0_only(cb, more:tuple)->bool: return isinstance(cb, more) or any(_qualname(c) in _RANK0 for c in type(cb).__mro__)
 _OWN_EVENTS = ('before_fit','after_cancel_fit','after_fit')
 
 def _device(): return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
@@ -173,7 +174,7 @@ def before_fit(self:DistributedTrainer):
     if self.rank:
         learn.logger = noop
         for cb in learn.cbs:
-            if isinstance(cb, _RANK0 + self.rank0_cbs): cb.run = False
+            if _rank0_only(cb, self.rank0_cbs): cb.run = False
     self.fitting,self.stop,self.gate_secs,self.null = True,False,0.,open(os.devnull, 'w')
     self.dispatch,self.learn_backward = learn._call_one,learn._backward
     learn._call_one,learn._backward = self._call,self._backward
@@ -207,18 +208,13 @@ def after_validate(self:DistributedTrainer):
         for m,sd in zip(mets, sds): _set_metric_state(m, sd)
 
 # %% ../nbs/03_distributed.ipynb #1749b241
-def _world_error(file, saved, now):
-    return CheckpointError(f"{file} holds a resume point of a run on {saved} process(es); this run has {now}. Another world size would not "
-        f"continue the same run (other shards, batch positions and random streams): relaunch with {saved} process(es) "
-        "(torchrun --nproc_per_node ...), or load it with with_iter=False to start a new run from its weights")
-
 @patch
 def state_dict(self:DistributedTrainer):
     "The world size and every rank's random streams (complete on rank 0, which writes the file)"
     if not self.active: return {'world_size': 1}
     skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
     er = getattr(skip, 'epoch_rng', None)
-    mine = to_plain(dict(rng=rng_state(), epoch_torch=er['torch'] if er else None), copy=True)
+    mine = to_plain(dict(rng=rng_state(), epoch_rng=er['rng'] if er else None), copy=True)
     ranks = None if self.rank else [None]*self.world_size
     self._collective(lambda: dist.gather_object(mine, ranks, dst=0), 'send its random state to rank 0')
     return {'world_size': self.world_size, 'ranks': ranks}
@@ -231,33 +227,6 @@ def load_state_dict(self:DistributedTrainer, sd):
     mine = sd['ranks'][self.rank]
     self.pending = mine['rng']
     skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
-    if getattr(self.learn, '_event', None) == 'before_train' and skip.epoch_rng is not None and mine['epoch_torch'] is not None:
-        skip.epoch_rng = dict(skip.epoch_rng, torch=mine['epoch_torch'])
-
-# %% ../nbs/03_distributed.ipynb #963b8622
-def _world_size()->int: return dist.get_world_size() if _group() else 1
-
-def _saves_everywhere(save):
-    @wraps(save)
-    def _save(self, file, with_opt:bool=True, with_iter:bool=True, **kwargs):
-        if rank_distrib() and with_opt and with_iter and self.opt is not None: resume_point(self)
-        return save(self, file, with_opt=with_opt, with_iter=with_iter, **kwargs)
-    _save._core = save
-    return _save
-
-def _checks_world(load):
-    @wraps(load)
-    def _load(self, file, *args, **kwargs):
-        res = load(self, file, *args, **kwargs)
-        rp = self.__dict__.get('_resume')
-        if rp is not None:
-            saved = (rp.get('callbacks') or {}).get('distributed_trainer', {}).get('world_size', 1)
-            if saved != _world_size():
-                del self._resume
-                raise _world_error(rp['file'], saved, _world_size())
-        return res
-    _load._core = load
-    return _load
-
-Learner.save = _saves_everywhere(getattr(Learner.save, '_core', Learner.save))
-Learner.load = _checks_world(getattr(Learner.load, '_core', Learner.load))
+    if getattr(self.learn, '_event', None) != 'before_train' or skip.epoch_rng is None: return
+    if mine.get('epoch_rng') is not None: skip.epoch_rng = dict(skip.epoch_rng, rng=mine['epoch_rng'])
+    elif mine.get('epoch_torch') is not None: skip.epoch_rng = dict(skip.epoch_rng, torch=mine['epoch_torch'])  # written by 0.1.0

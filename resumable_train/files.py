@@ -6,13 +6,14 @@ Docs: https://resumable-train.github.io/resumable_train/files.html.md"""
 
 # %% ../nbs/00a_files.ipynb #a214dd43
 from __future__ import annotations
-import os, tempfile, zipfile, pickle
+import math, os, pickle, re, secrets, tempfile, warnings, zipfile
 from pathlib import Path
 import numpy as np, torch
 from fastcore.foundation import L
 
 # %% auto #0
-__all__ = ['FORMAT_VERSION', 'make_checkpoint', 'write_checkpoint', 'CheckpointError', 'read_checkpoint', 'resume_record']
+__all__ = ['FORMAT_VERSION', 'make_checkpoint', 'write_checkpoint', 'check_record', 'CheckpointError', 'read_checkpoint',
+           'resume_record', 'position_text']
 
 # %% ../nbs/00a_files.ipynb #f023d4f0
 def _pack(xs):
@@ -40,22 +41,185 @@ def _fsync_dir(d):
     try: os.fsync(fd)
     finally: os.close(fd)
 
+def _new_tmp(file):
+    "A new temporary file next to `file`, as `(path, fd)`, created with the mode the umask gives (as `torch.save` would)"
+    while True:
+        tmp = file.parent/f'.{file.name}.{secrets.token_hex(4)}.tmp'
+        try: return tmp, os.open(tmp, os.O_WRONLY|os.O_CREAT|os.O_EXCL|getattr(os, 'O_CLOEXEC', 0), 0o666)
+        except FileExistsError: continue
+
 def write_checkpoint(obj, file, durable:bool=True, pickle_protocol:int=2): # fsync the file and its folder
     "Write `obj` to `file` atomically, and durably if `durable`"
-    file = Path(file)
-    fd,tmp = tempfile.mkstemp(dir=file.parent, prefix=f'.{file.name}.', suffix='.tmp')
+    file,tmp = Path(file),None
     try:
+        tmp,fd = _new_tmp(file)
         with os.fdopen(fd, 'wb') as f:
             torch.save(obj, f, pickle_protocol=pickle_protocol)
             f.flush()
             if durable: os.fsync(f.fileno())
         os.replace(tmp, file)
     except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError): raise OSError(e.errno, f"Could not write {file}: {e.strerror or e}; the previous file is intact") from e
-        raise
+        if tmp is not None: tmp.unlink(missing_ok=True)
+        if not isinstance(e, OSError): raise
+        left = "the previous file is intact" if file.exists() else "nothing was written"
+        raise OSError(e.errno, f"Could not write {file}: {e.strerror or e}; {left}") from e
     if durable: _fsync_dir(file.parent)
     return file
+
+# %% ../nbs/00a_files.ipynb #d50d801d
+def _fail(field, what): raise ValueError(f"`{field}` {what}")
+
+def _is_int(v): return isinstance(v, int) and not isinstance(v, bool)
+def _is_num(v): return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+def _int(v, field, lo=0, hi=None, none_ok=False):
+    "`v` if it is an integer in `[lo, hi]` (or `None` when `none_ok`)"
+    if v is None and none_ok: return v
+    if not _is_int(v): _fail(field, f"is {v!r}, not an integer")
+    if v < lo or (hi is not None and v > hi): _fail(field, f"is {v}, outside {lo}..{hi if hi is not None else ''}")
+    return v
+
+def _of(v, field, *types):
+    if not isinstance(v, types): _fail(field, f"is a {type(v).__name__}, not a {' or '.join(t.__name__ for t in types)}")
+    return v
+
+def _tensor(v, field, dtype=None, shape=None, lo=None, hi=None):
+    _of(v, field, torch.Tensor)
+    if dtype is not None and v.dtype != dtype: _fail(field, f"is a {v.dtype} tensor, not {dtype}")
+    if shape is not None and tuple(v.shape) != shape: _fail(field, f"has shape {tuple(v.shape)}, not {shape}")
+    if v.numel() and lo is not None and (v.min() < lo or v.max() > hi): _fail(field, f"holds values outside {lo}..{hi}")
+
+def _mt_state(v, field, n, version):
+    "A Mersenne Twister state as `rng_state` stores it: `[version, n words (and the position), ...]`"
+    _of(v, field, list, tuple)
+    if len(v) < 3: _fail(field, f"has {len(v)} items, not at least 3")
+    _int(v[0], f"{field}[0]", version, version) if _is_int(version) else _of(v[0], f"{field}[0]", str)
+    _tensor(v[1], f"{field}[1]", torch.int64, (n,), 0, 2**32-1)
+
+def _py_rng(v, field):
+    _mt_state(v, field, 625, 3)
+    if v[1][-1] > 624: _fail(f"{field}[1]", f"has position {int(v[1][-1])}, outside 0..624")
+    if v[2] is not None and not _is_num(v[2]): _fail(f"{field}[2]", f"is {v[2]!r}, not a number or None")
+
+def _dl_rng(v, field):
+    "A DataLoader's own streams: fastai's `dl.rng` (a python state), or a PyTorch DataLoader's generators"
+    if not isinstance(v, dict): return _py_rng(v, field)
+    for i,g in enumerate(_of(v.get('generators'), f'{field}.generators', list, tuple)): _tensor(g, f'{field}.generators[{i}]', torch.uint8)
+
+def _rng(v, field='rng'):
+    _of(v, field, dict)
+    _py_rng(v.get('random_state'), f'{field}.random_state')
+    ns = v.get('numpy_state')
+    _mt_state(ns, f'{field}.numpy_state', 624, 'MT19937')
+    if len(ns) != 5: _fail(f'{field}.numpy_state', f"has {len(ns)} items, not 5")
+    _int(ns[2], f'{field}.numpy_state[2]', 0, 624); _int(ns[3], f'{field}.numpy_state[3]', 0, 1)
+    if not _is_num(ns[4]): _fail(f'{field}.numpy_state[4]', f"is {ns[4]!r}, not a number")
+    _tensor(v.get('torch_state'), f'{field}.torch_state', torch.uint8)
+    for i,t in enumerate(_of(v.get('torch_cuda_state', []), f'{field}.torch_cuda_state', list, tuple)):
+        _tensor(t, f'{field}.torch_cuda_state[{i}]', torch.uint8)
+
+def _setup(s, field='setup')->dict:
+    _of(s, field, dict)
+    _int(s.get('n_epoch'), f'{field}.n_epoch', 1); _int(s.get('n_iter'), f'{field}.n_iter', 0)
+    _int(s.get('bs'), f'{field}.bs', 0, none_ok=True); _int(s.get('n_items'), f'{field}.n_items', 0, none_ok=True)
+    _int(s.get('n_params'), f'{field}.n_params', 0); _int(s.get('world_size'), f'{field}.world_size', 1)
+    _of(s.get('schedule'), f'{field}.schedule', str)
+    return s
+
+def _no_expansion(o, field):
+    "Refuse tensors that are views larger than their storage (a few bytes on disk that `tolist` would make gigabytes of)"
+    if isinstance(o, torch.Tensor):
+        if o.numel()*o.element_size() > o.untyped_storage().nbytes(): _fail(field, f"is a {tuple(o.shape)} view larger than its storage")
+    elif isinstance(o, dict):
+        for k,v in o.items(): _no_expansion(v, f"{field}.{k}")
+    elif isinstance(o, (list, tuple)):
+        for i,v in enumerate(o): _no_expansion(v, f"{field}[{i}]")
+
+def _position(r):
+    "Check the position (`epoch`, `iter`, `train_iter`, `pct_train`) of a resume point against its setup"
+    s = _setup(r.get('setup'))
+    n_epoch,n_iter = s['n_epoch'],s['n_iter']
+    ep = _int(r.get('epoch'), 'epoch', 0, n_epoch)
+    it = _int(r.get('iter'), 'iter', 0, 0 if ep == n_epoch else n_iter)
+    _int(r.get('train_iter'), 'train_iter', it, ep*n_iter + it)
+    pct = r.get('pct_train')
+    if not _is_num(pct) or not 0 <= pct <= 1 + 1e-9: _fail('pct_train', f"is {pct!r}, not a number in [0, 1]")
+    done = (ep*n_iter + it)/(n_epoch*n_iter) if n_iter else 0
+    lo = done if it else max(0, ep-1)/n_epoch  # an epoch that a callback cut short ends before its last batch
+    if not lo - 1e-6 <= pct <= done + 1e-6: _fail('pct_train', f"is {pct}, but epoch {ep}, batch {it} of {n_epoch} epochs of {n_iter} batches is at {done:.6f}")
+    if it:
+        er = _of(r.get('epoch_rng'), 'epoch_rng', dict)
+        _tensor(er.get('torch'), 'epoch_rng.torch', torch.uint8)
+        if er.get('dl') is not None: _dl_rng(er['dl'], 'epoch_rng.dl')
+        if er.get('rng') is not None: _rng(er['rng'], 'epoch_rng.rng')
+
+_NUMERIC_HYPERS = {'lr', 'mom', 'sqr_mom', 'wd', 'eps', 'beta', 'momentum', 'weight_decay'}
+
+def _hyper(v, field, numeric):
+    "A hyperparameter: a number (`lr`, `wd`, ...), or a plain setting of a wrapped PyTorch optimizer (`amsgrad`, `foreach`, ...)"
+    if _is_num(v) or isinstance(v, torch.Tensor) and v.numel() == 1: return
+    if numeric: _fail(field, f"is {v!r}, not a number")
+    if isinstance(v, (list, tuple)):
+        for i,x in enumerate(v): _hyper(x, f"{field}[{i}]", False)
+    elif not isinstance(v, (bool, str, type(None))): _fail(field, f"is a {type(v).__name__}, not a setting")
+
+def _history(r):
+    "Check the `Recorder`'s history against the number of batches trained"
+    rec = r.get('callbacks', {}).get('recorder')
+    if rec is None: return
+    _of(rec, 'callbacks.recorder', dict)
+    n = r.get('train_iter')
+    for k in ('lrs', 'losses'):
+        if k not in rec: continue
+        h = rec[k]['stack'] if isinstance(rec[k], dict) and 'stack' in rec[k] else rec[k].get('float64') if isinstance(rec[k], dict) else rec[k]
+        if not isinstance(h, (torch.Tensor, list)): _fail(f'callbacks.recorder.{k}', f"is a {type(h).__name__}, not a history")
+        if _is_int(n) and len(h) > n: _fail(f'callbacks.recorder.{k}', f"holds {len(h)} batches, more than train_iter {n}")
+    for k in ('values', 'iters'):
+        if k in rec: _of(rec[k], f'callbacks.recorder.{k}', list)
+    for i,row in enumerate(rec.get('values', [])):
+        for j,v in enumerate(_of(row, f'callbacks.recorder.values[{i}]', list, tuple)):
+            if not (v is None or _is_num(v) or isinstance(v, torch.Tensor)): _fail(f'callbacks.recorder.values[{i}][{j}]', f"is {v!r}, not a number")
+
+def check_record(r:dict, opt:dict|None=None): # `opt`: the optimizer state saved with it, to check the record's lists against
+    "Raise `ValueError` naming the first field of the resume record `r` that is of the wrong type, out of range or inconsistent"
+    _of(r, 'resume', dict)
+    _int(r.get('version', 0), 'version', 0)
+    _no_expansion(r, 'resume')
+    if r.get('epoch') is not None: _position(r)
+    else:
+        if 'setup' in r: _setup(r['setup'])
+        if 'train_iter' in r: _int(r['train_iter'], 'train_iter', 0)
+        if 'pct_train' in r and not (_is_num(r['pct_train']) and 0 <= r['pct_train'] <= 1 + 1e-9):
+            _fail('pct_train', f"is {r['pct_train']!r}, not a number in [0, 1]")
+    if 'hypers' in r:
+        hs = _of(r['hypers'], 'hypers', list, tuple)
+        if not hs: _fail('hypers', "is empty")
+        if isinstance(opt, dict) and isinstance(opt.get('hypers'), (list, tuple)) and len(hs) != len(opt['hypers']):
+            _fail('hypers', f"has {len(hs)} parameter groups, the optimizer state {len(opt['hypers'])}")
+        for i,h in enumerate(hs):
+            for k,v in _of(h, f'hypers[{i}]', dict).items(): _hyper(v, f'hypers[{i}].{k}', k in _NUMERIC_HYPERS)
+    if 'rng' in r: _rng(r['rng'])
+    for i,s in enumerate(_of(r.get('dl_rngs', []), 'dl_rngs', list, tuple)):
+        if s is not None: _dl_rng(s, f'dl_rngs[{i}]')
+    for k in _of(r.get('callbacks', {}), 'callbacks', dict): _of(k, f'callbacks key {k!r}', str)  # each callback checks its own state
+    _history(r)
+    for i,n in enumerate(_of(r.get('metric_names', []), 'metric_names', list, tuple)): _of(n, f'metric_names[{i}]', str)
+    for i,g in enumerate(_of(r.get('grads', []), 'grads', list, tuple)):
+        if not (g is None or isinstance(g, torch.Tensor) and g.is_floating_point() or _is_int(g) and g == 0): _fail(f'grads[{i}]', f"is {g!r}, not a gradient")
+    for k in ('meta', 'plan'): _of(r.get(k, {}), k, dict)
+    if 'fit_index' in r: _fit_ledger(r)
+
+def _fit_ledger(r):
+    "Check what `AutoResume` adds: the fit call's number, the setup of each call so far, the end file of each completed call"
+    i = _int(r['fit_index'], 'fit_index', 0)
+    fits = _of(r.get('fits'), 'fits', list)
+    if len(fits) != i+1: _fail('fits', f"has {len(fits)} fit calls, not fit_index+1 = {i+1}")
+    for j,s in enumerate(fits): _setup(s, f'fits[{j}]')
+    ends = _of(r.get('ends', []), 'ends', list)
+    if len(ends) > i+1: _fail('ends', f"has {len(ends)} fit calls, more than fit_index+1 = {i+1}")
+    for j,n in enumerate(ends):
+        if n is not None and not (isinstance(n, str) and re.fullmatch(r'[\w.-]+-\d+\.pth', n)): _fail(f'ends[{j}]', f"is {n!r}, not the name of a resume point")
+    _int(r.get('last_epoch'), 'last_epoch', 0, fits[i]['n_epoch'], none_ok=True)
 
 # %% ../nbs/00a_files.ipynb #1b71ade7
 class CheckpointError(ValueError):
@@ -69,37 +233,72 @@ def _damage(file):
     except Exception as e: return f"is corrupt ({e})"
     return f"is corrupt (record {bad} fails its checksum)" if bad else None
 
+def _reason(e):
+    "The reason in torch's error `e`, without its advice (torch suggests `weights_only=False`, which would run code from the file)"
+    msg = str(e).split('WeightsUnpickler error:', 1)[-1]
+    line = next((l.strip() for l in msg.splitlines() if l.strip()), type(e).__name__)
+    return type(e).__name__ if 'weights_only' in line else line
+
+def _compressed(file):
+    "Why `file` may not be expanded: a zip record that is compressed, which `torch.save` never writes; or `None`"
+    if not zipfile.is_zipfile(file): return None
+    try:
+        with zipfile.ZipFile(file) as z: infos = z.infolist()
+    except Exception as e: return f"is corrupt ({e})"
+    packed = [i for i in infos if i.compress_type != zipfile.ZIP_STORED or i.file_size != i.compress_size]
+    if packed or sum(i.file_size for i in infos) > Path(file).stat().st_size:
+        return (f"holds compressed records ({sum(i.compress_size for i in packed):,} bytes that would expand to "
+                f"{sum(i.file_size for i in packed):,}); torch.save never compresses, so refusing to expand them")
+
 def _why_unreadable(file, e):
     size = Path(file).stat().st_size
     if size == 0: return "is empty"
     if (why := _damage(file)) is not None: return why
-    with open(file, 'rb') as f: head = f.read(4)
-    pickled = head[:2] == b'PK' or head[:1] == b'\x80'  # a torch zip file, or a bare pickle
-    if pickled and isinstance(e, pickle.UnpicklingError) and 'unsupported global' in str(e).lower():
-        return "holds Python objects that are not weights; refusing to unpickle it (loading is always weights_only=True)"
-    if head[:2] == b'PK': return f"is truncated or corrupt ({size:,} bytes; {str(e).splitlines()[0]})"
-    return f"is not a PyTorch checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})"
+    with open(file, 'rb') as f: head = f.read(64)
+    if head[:2] == b'PK' or head[:1] == b'\x80':  # a torch zip file, or a bare pickle
+        if isinstance(e, pickle.UnpicklingError) and (g := re.search(r'unsupported (?:global: )?GLOBAL ([\w.]+)', str(e), re.I)):
+            return f"holds a Python object ({g.group(1)}) that is not weights; refusing to unpickle it (loading is always weights_only=True)"
+        if head[:2] == b'PK' and not zipfile.is_zipfile(file): return f"is truncated ({size:,} bytes; the end of its zip archive is missing)"
+        if head[:2] == b'PK': return f"is corrupt ({size:,} bytes; {_reason(e)})"
+        return f"is a Python pickle, not a PyTorch checkpoint (torch.save writes a zip archive); it cannot be read as weights ({_reason(e)})"
+    if all(32 <= b < 127 or b in b'\t\r\n' for b in head):
+        return f"is a text file, not a PyTorch checkpoint (it starts with {head.decode()[:30]!r})"
+    return "is not a PyTorch checkpoint: torch.save writes a zip archive, and this file is neither a zip archive nor a pickle"
 
 _stock_safe = [L, np.dtype, *[getattr(np.dtypes, n) for n in np.dtypes.__all__]] + ([np._core.multiarray.scalar] if hasattr(np, '_core') else [])
 
 def read_checkpoint(file, map_location='cpu',
+                    mmap:bool=False, # map the tensors from the file instead of reading them into memory (enough to look at the record)
                     name=None, # what messages call the file (a remote store's URL for a downloaded copy); `file` by default
                    )->dict:
     "Load `file` with `weights_only=True`, raising `CheckpointError` that says what is wrong with it"
     file = Path(file)
     name = file if name is None else name
+    if file.is_dir(): raise CheckpointError(f"{name} is a folder, not a checkpoint file")
     if not file.is_file(): raise CheckpointError(f"{name} does not exist")
+    if (why := _compressed(file)) is not None: raise CheckpointError(f"{name} {why}")
     try:
-        with torch.serialization.safe_globals(_stock_safe): state = torch.load(file, map_location=map_location, weights_only=True)
+        with torch.serialization.safe_globals(_stock_safe), warnings.catch_warnings():
+            warnings.simplefilter('ignore')  # torch's warnings about pickle protocols: the error below says what is wrong
+            state = torch.load(file, map_location=map_location, weights_only=True, mmap=mmap and zipfile.is_zipfile(file))
     except Exception as e: raise CheckpointError(f"{name} {_why_unreadable(file, e)}") from e
     if (why := _damage(file)) is not None: raise CheckpointError(f"{name} {why}")  # damaged weights would otherwise load silently
     if not isinstance(state, dict) or not state: raise CheckpointError(f"{name} holds a {type(state).__name__}, not model weights")
     rp = resume_record(state)
-    if rp is not None and rp.get('version', 0) > FORMAT_VERSION:
+    if rp is None: return state
+    if isinstance(rp, dict) and _is_int(rp.get('version', 0)) and rp.get('version', 0) > FORMAT_VERSION:
         raise CheckpointError(f"{name} was written by a newer resumable_train (format {rp['version']}, this one reads {FORMAT_VERSION}); upgrade the package")
+    try: check_record(rp, state['opt'])
+    except ValueError as e: raise CheckpointError(f"{name} holds a damaged resume record ({e})") from None
     return state
 
 def resume_record(state:dict):
     "The resume record inside a loaded checkpoint, or `None` for a stock fastai file"
     opt = state.get('opt') if set(state) == {'model','opt'} else None
     return opt.get('resume') if isinstance(opt, dict) else None
+
+# %% ../nbs/00a_files.ipynb #7012e2dd
+def position_text(epoch:int, iter:int, n_epoch:int, n_iter:int)->str: # a resume point's `epoch` and `iter` (counted from 0)
+    "Where a resume point stands, numbered as the progress bar numbers it: `epoch 1/2, batch 12/44`"
+    if iter: return f"epoch {epoch+1}/{n_epoch}, batch {iter}/{n_iter}"
+    return f"end of epoch {epoch}/{n_epoch}" if epoch else f"start of epoch 1/{n_epoch}"

@@ -6,24 +6,25 @@ Docs: https://resumable-train.github.io/resumable_train/learner.html.md"""
 
 # %% ../nbs/01_learner.ipynb #886b3d1f
 from __future__ import annotations
-import hashlib, inspect, itertools, math, os, random, time, warnings
+import hashlib, importlib.abc, importlib.machinery, inspect, itertools, math, os, random, sys, time, warnings
 from contextlib import contextmanager
 from functools import partial, wraps
-import numpy as np, torch, fastai
+import numpy as np, torch, fastai, torch.distributed as dist
+from torch import nn
 from fastcore.basics import patch, GetAttr, noop
 from fastcore.foundation import L
 from fastai.torch_core import get_model, distrib_barrier, rank_distrib
 from fastai.data.load import DataLoader, _FakeLoader
 from fastai.callback.core import Callback, TrainEvalCallback
 from fastai.learner import Learner, save_model
-from fastai.callback.schedule import ParamScheduler  # noqa: F401 (patches Learner.fit_one_cycle & co.)
 from fastcore.xtras import join_path_file
 from .files import *
 from .state import *
 from .store import LocalStore, is_url, locate
+from .state import _qualname
 
 # %% auto #0
-__all__ = ['fastai_changes', 'check_fastai', 'SeedBatches', 'resume_point', 'SkipToIter', 'checkpoint']
+__all__ = ['fastai_changes', 'check_fastai', 'SeedBatches', 'resume_point', 'fit_plan', 'SkipToIter', 'checkpoint']
 
 # %% ../nbs/01_learner.ipynb #b586a816
 _TESTED_FASTAI = '2.8.8 to 2.8.12'
@@ -44,9 +45,11 @@ def _fastai_code(name:str):
 
 def _source_hash(f)->str: return hashlib.sha256(inspect.getsource(f).encode()).hexdigest()[:12]
 
+def _present(name:str)->bool: return hasattr(_OWNERS[name.split('.')[0]], name.split('.')[1])
+
 def fastai_changes(relied_on:dict=_RELIED_ON)->list:
-    "The fastai methods the package relies on whose code differs from the fastai versions it was tested with"
-    return [n for n,h in relied_on.items() if _source_hash(_fastai_code(n)) != h]
+    "The fastai methods the package relies on whose code differs from the fastai versions it was tested with (of those fastai has defined)"
+    return [n for n,h in relied_on.items() if _present(n) and _source_hash(_fastai_code(n)) != h]
 
 def check_fastai(relied_on:dict=_RELIED_ON):
     "Raise `ImportError` if fastai's training loop differs from the one this package was tested with"
@@ -63,7 +66,7 @@ check_fastai()
 
 # %% ../nbs/01_learner.ipynb #ec9fb6d4
 _fastai = {n: getattr(getattr(Learner, n), '_fastai', getattr(Learner, n))
-           for n in ('_with_events','one_batch','fit','fit_one_cycle','fit_flat_cos','fit_sgdr')}
+           for n in ('_with_events','one_batch','fit')}
 
 class _Events(Callback):
     "Note which event is running in `learn._event`, before any other callback sees it"
@@ -83,32 +86,84 @@ Learner.one_batch._fastai = _fastai['one_batch']
 
 # %% ../nbs/01_learner.ipynb #ba76844a
 def _patch_attrs(o, **attrs)->dict:
-    "Set instance attributes of `o`; returns what `_unpatch_attrs` needs to put `o` back as it was"
+    "Set instance attributes of `o` (in its `__dict__`: PyTorch's DataLoader refuses `setattr` of its sampler); returns what `_unpatch_attrs` needs"
     old = {n: o.__dict__.get(n) for n in attrs}
-    for n,v in attrs.items(): setattr(o, n, v)
+    o.__dict__.update(attrs)
     return old
 
 def _unpatch_attrs(o, old:dict):
     for n,v in old.items():
         if v is None: o.__dict__.pop(n, None)
-        else: setattr(o, n, v)
+        else: o.__dict__[n] = v
 
-def _drop_first(get_idxs, n):
-    idxs = get_idxs()
+def _drop_first(idxs, n):
     return idxs[n:] if isinstance(idxs, list) else itertools.islice(idxs, n, None)
+
+def _switch_streams(gen, now):
+    "Keep the epoch's torch stream in `gen` (if any: for the workers' base seed), then go on with the random streams `now`"
+    if now is None: return
+    if gen is not None: gen.set_state(torch.get_rng_state())
+    set_rng_state(now)
+
+def _ff_idxs(get_idxs, n, gen, now):
+    "The epoch's order from `get_idxs` without its first `n` indices, drawn from the epoch's streams before switching to `now`"
+    idxs = get_idxs()
+    _switch_streams(gen, now)
+    return _drop_first(idxs, n)
 
 class _FastForward(GetAttr):
     "Iterate `dl` from batch `first_iter` on, without loading the batches before it"
     _default = 'dl'
-    def __init__(self, dl, first_iter:int, torch_state=None): self.dl,self._first_iter,self.torch_state = dl,first_iter,torch_state
+    def __init__(self, dl, first_iter:int,
+                 start=None, # the random streams at the epoch's start (`rng_state`), to draw the epoch's order and seeds from
+                ): self.dl,self._first_iter,self.start = dl,first_iter,start
     def __len__(self): return len(self.dl)
+    def _from_start(self):
+        "Put the streams at the epoch's start; returns the streams to train on, which the iteration switches back to"
+        if self.start is None: return None
+        now = rng_state()
+        set_rng_state(self.start)
+        return now
+
     def __iter__(self):
-        dl,gen = self.dl,None
-        if self.torch_state is not None: (gen := torch.Generator()).set_state(self.torch_state)
-        old_dl = _patch_attrs(dl, get_idxs=partial(_drop_first, dl.get_idxs, self._first_iter*(dl.bs or 1)), _first_iter=self._first_iter)
+        dl,now = self.dl,self._from_start()
+        gen = None if now is None else torch.Generator()
+        old_dl = _patch_attrs(dl, get_idxs=partial(_ff_idxs, dl.get_idxs, self._first_iter*(dl.bs or 1), gen, now), _first_iter=self._first_iter)
         old_fake = _patch_attrs(dl.fake_l, generator=gen)
         try: yield from dl
         finally: _unpatch_attrs(dl, old_dl); _unpatch_attrs(dl.fake_l, old_fake)
+
+class _SkipBatches:
+    "The batches of a PyTorch `sampler` but the first `n`; the epoch's draws are made before the first kept batch, then the streams switch to `now`"
+    def __init__(self, sampler, n:int, now=None): self.sampler,self.n,self.now = sampler,n,now
+    def __len__(self): return len(self.sampler)
+    def __iter__(self):
+        it = itertools.islice(self.sampler, self.n, None)
+        first = next(it, _SkipBatches)  # a RandomSampler draws its seed for the epoch here
+        _switch_streams(None, self.now)
+        if first is not _SkipBatches: yield first
+        yield from it
+
+class _TorchFastForward(_FastForward):
+    "Iterate a PyTorch DataLoader over a map-style dataset from batch `first_iter` on, without loading the batches before it"
+    def __iter__(self):
+        dl,now = self.dl,self._from_start()  # the iterator draws the workers' base seed, then the sampler its seed
+        name = 'sampler' if dl.batch_sampler is None else 'batch_sampler'
+        old = _patch_attrs(dl, **{name: _SkipBatches(getattr(dl, name), self._first_iter, now)})
+        try: yield from dl
+        finally: _unpatch_attrs(dl, old)
+
+def _fast_forwarder(dl):
+    "The class that fast-forwards `dl`, or a `TypeError` saying why `dl` cannot resume inside an epoch"
+    if isinstance(dl, DataLoader): return _FastForward
+    what = f"a {type(dl).__name__}"
+    if isinstance(dl, torch.utils.data.DataLoader):
+        if not isinstance(dl.dataset, torch.utils.data.IterableDataset) and not dl.persistent_workers: return _TorchFastForward
+        what = ("a PyTorch DataLoader over an IterableDataset, whose position is inside the dataset's own iterator and cannot be "
+                "reached without reading the skipped items" if dl.persistent_workers is False else
+                "a PyTorch DataLoader with persistent_workers, whose workers keep random streams and an iterator that a new process cannot rebuild")
+    raise TypeError(f"Cannot resume inside an epoch of {what}; save resume points only at epoch ends (`AutoResume(every_iter=None)` "
+                    "saves after each epoch), or use a fastai DataLoader or a PyTorch DataLoader over a map-style Dataset")
 
 # %% ../nbs/01_learner.ipynb #a8fc35ef
 def _seeded_idxs(dl, get_idxs, rng_dl):
@@ -124,24 +179,57 @@ def _seeded(s):
     try: yield
     finally: random.setstate(st[0]); np.random.set_state(st[1]); torch.set_rng_state(st[2])
 
+def _batch_seed(epoch_seed, i): return int(np.random.SeedSequence([epoch_seed, i]).generate_state(1)[0])
+
 def _seeded_batches(dl, samps):
     "Like `DataLoader.create_batches`, with each batch's items made under a seed of (epoch order, batch index)"
     if dl.dataset is not None: dl.it = iter(dl.dataset)
     idxs,bs,first,nw,offs = list(dl._DataLoader__idxs),dl.bs or 1,getattr(dl, '_first_iter', 0),dl.num_workers,dl.offs
     do_item,do_batch,prebatched,drop_last,seed = dl.do_item,dl.do_batch,dl.prebatched,dl.drop_last,dl._epoch_seed
     for i in range(offs, -(-len(idxs)//bs), nw):
-        with _seeded(int(np.random.SeedSequence([seed, first+i]).generate_state(1)[0])):
+        with _seeded(_batch_seed(seed, first+i)):
             items = [o for o in map(do_item, idxs[i*bs:(i+1)*bs]) if o is not None]
         if prebatched: yield from map(do_batch, items)
         elif items and not (drop_last and len(items) < bs): yield do_batch(items)
 
+class _Batch(list):
+    "The indices of a batch, and the batch's index `i` in the epoch"
+    def __init__(self, idxs, i): super().__init__(idxs); self.i = i
+
+class _NumberedBatches:
+    "A PyTorch batch sampler whose batches say their index in the epoch"
+    def __init__(self, sampler): self.sampler = sampler
+    def __len__(self): return len(self.sampler)
+    def __iter__(self): return (_Batch(b, i) for i,b in enumerate(self.sampler))
+
+class _SeededItems(GetAttr):
+    "The map-style dataset `ds`, whose batches are made, in a PyTorch DataLoader's workers, under a seed of (workers' base seed, batch index)"
+    _default = 'ds'
+    def __init__(self, ds): self.ds = ds
+    def __len__(self): return len(self.ds)
+    def __getitem__(self, i): return self.ds[i]
+    def _items(self, b):
+        getitems = getattr(self.ds, '__getitems__', None)
+        return getitems(list(b)) if getitems else [self.ds[i] for i in b]
+    def __getitems__(self, b):
+        info = torch.utils.data.get_worker_info()
+        if info is None or not isinstance(b, _Batch): return self._items(b)
+        with _seeded(_batch_seed(info.seed - info.id, b.i)): return self._items(b)
+
+def _seed_patches(dl, rng_dl)->dict:
+    "The attributes `SeedBatches` gives a fastai DataLoader (whose epoch seed comes from `rng_dl.rng`), or a PyTorch DataLoader that batches a map-style dataset"
+    if isinstance(dl, DataLoader): return dict(get_idxs=partial(_seeded_idxs, dl, dl.get_idxs, rng_dl), create_batches=partial(_seeded_batches, dl))
+    if not isinstance(dl, torch.utils.data.DataLoader) or dl.batch_sampler is None or isinstance(dl.dataset, torch.utils.data.IterableDataset): return {}
+    if dl.persistent_workers: return {}  # their base seed is drawn once: every epoch would repeat the same draws
+    return dict(dataset=_SeededItems(dl.dataset), batch_sampler=_NumberedBatches(dl.batch_sampler))
+
 class SeedBatches(Callback):
-    "Make the item randomness of each training batch depend only on the epoch's order and the batch index"
+    "Make the item randomness of each training batch depend only on the epoch's order (or workers' base seed) and the batch index"
     order = 900
     def before_train(self):
         self.after_train()  # a training phase that an exception ended left its patches
         self.dl_ = dl = self.learn.dl
-        self.old = _patch_attrs(dl, get_idxs=partial(_seeded_idxs, dl, dl.get_idxs, self.dls.train), create_batches=partial(_seeded_batches, dl))
+        self.old = _patch_attrs(dl, **_seed_patches(dl, self.dls.train))
     def after_train(self):
         if getattr(self, 'old', None): _unpatch_attrs(self.dl_, self.old)
         self.old = {}
@@ -151,12 +239,26 @@ class SeedBatches(Callback):
 def _grad_state(p): return None if p.grad is None else p.grad if p.grad.any() else 0
 def _set_grad(p, g): p.grad = None if g is None else torch.zeros_like(p) if isinstance(g, int) else g.to(p.device)
 
+def _restore_dls(learn, rec):
+    "Put each DataLoader's `rng` and registered state back as `rec` holds them"
+    for dl,s in zip(learn.dls.loaders, rec['dl_rngs']): set_dl_rng_state(dl, s)
+    load_dl_states(learn, rec.get('dl_states', []))
+
+def _make_lazy_state(learn):
+    "Make now what fastai makes at the first batch of a process and which draws random numbers: `dls.n_inp` loads an item when the dataset does not say"
+    getattr(learn.dls, 'n_inp', None)
+
 def _restore_streams(learn, rec, dls=True):
-    "Give `learn`'s callbacks their states and put the random streams (and, with `dls`, the DataLoaders') back as `rec` holds them"
+    "Give `learn`'s callbacks and modules their states and put the random streams (and, with `dls`, the DataLoaders') back as `rec` holds them"
+    _make_lazy_state(learn)  # its draws happened before `rec` was saved: they must not shift the restored streams
     load_callback_states(learn, rec['callbacks'])
-    if dls:
-        for dl,s in zip(learn.dls.loaders, rec['dl_rngs']): set_dl_rng_state(dl, s)
+    load_module_states(learn.model, rec.get('modules', {}))
+    if dls: _restore_dls(learn, rec)
     set_rng_state(rec['rng'])
+
+def _epoch_streams(learn)->dict:
+    "What decides an epoch's order: the random streams at its start, and the training DataLoader's `rng` and state"
+    return dict(torch=torch.get_rng_state(), dl=dl_rng_state(learn.dls.train), rng=rng_state(), dl_state=state_of(learn.dls.train))
 
 def _position(learn):
     ev = getattr(learn, '_event', None)
@@ -179,14 +281,81 @@ def resume_point(learn)->dict|None:
     pos = _position(learn)
     if pos is None and learn._event not in ('after_fit','after_cancel_fit'): return None
     epoch,it = pos or (None,0)
+    if it: _fast_forwarder(learn.dls.train)  # refuse a resume point that no run could continue
     skip = next(cb for cb in learn.cbs if isinstance(cb, SkipToIter))
     return to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train,
         setup=run_setup(learn, learn.n_epoch), hypers=learn.opt.hypers, rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders],
+        dl_states=dl_states(learn), modules=module_states(learn.model),
         epoch_rng=skip.epoch_rng if it else None, callbacks=callback_states(learn),
-        metric_names=_value_names(learn),
+        metric_names=_value_names(learn), plan=fit_plan(learn),
         grads=[_grad_state(p) for p in learn.model.parameters()], meta=_meta()))
 
+# %% ../nbs/01_learner.ipynb #7426aeea
+_PCTS = (0., .1, .25, .5, .75, .9, 1.)
+
+def _settings(o, depth=2)->str:
+    "A function's or object's name and its plain settings, such as `Adam(eps=1e-05)` or `FlattenedLoss(CrossEntropyLoss(...), axis=-1)`"
+    if isinstance(o, partial): return f"{_settings(o.func)}({', '.join(f'{k}={v!r}' for k,v in sorted(o.keywords.items()))})"
+    name = getattr(o, '__qualname__', None) or type(o).__name__
+    if isinstance(o, type) or callable(o) and not hasattr(o, '__dict__') or inspect.isroutine(o) or not depth: return name
+    vs = sorted((k,v) for k,v in vars(o).items() if not k.startswith('_') and k != 'training')
+    parts = [_settings(v, depth-1) for k,v in vs if isinstance(v, nn.Module) or k == 'func']
+    parts += [f"{k}={v!r}" for k,v in vs if isinstance(v, (bool, int, float, str, type(None)))]
+    return f"{type(o).__name__}({', '.join(parts)})"
+
+def _is_a(o, cls:str)->bool:
+    "Is `o` an instance of the class named `cls` (module and name), without importing it?"
+    return any(f'{c.__module__}.{c.__qualname__}' == cls for c in type(o).__mro__)
+
+def fit_plan(learn)->dict:
+    "What the running fit call was asked to do beyond its setup: hyperparameters and their schedules, loss function, optimizer"
+    sched = next((cb for cb in learn.cbs if _is_a(cb, 'fastai.callback.schedule.ParamScheduler')), None)
+    scheds = {k: [to_plain(f(p)) for p in _PCTS] for k,f in (sched.scheds.items() if sched else [])}
+    hypers = [{k:v for k,v in h.items() if k not in scheds} for h in (learn.opt.hypers if learn.opt is not None else [])]
+    return to_plain(dict(schedule=scheds, hypers=hypers, loss=_settings(learn.loss_func), opt=_settings(learn.opt_func)))
+
+def _nums(v): return torch.as_tensor(v, dtype=torch.float64).flatten() if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else None
+
+def _same(a, b):
+    "Equal values; numbers equal whether a scalar, a one-group array or one value per group (`lr_max=1e-2` or `array([1e-2])`)"
+    x,y = _nums(a),_nums(b)
+    if x is None or y is None: return type(a) == type(b) and a == b
+    return (len(x) == len(y) or 1 in (len(x), len(y))) and bool((x == y).all())
+
+def _txt(v):
+    x = _nums(v)
+    if x is None: return str(v)
+    return f"{x[0].item():.4g}" if len(x) == 1 or bool((x == x[0]).all()) else '[' + ', '.join(f"{e:.4g}" for e in x.tolist()) + ']'
+
+def _plan_changes(saved:dict|None, now:dict)->list:
+    "What differs between two `fit_plan`s, in words (nothing for a resume point written before plans were kept)"
+    if not saved: return []
+    out = []
+    for k in sorted(set(saved['schedule']) | set(now['schedule'])):
+        a,b = saved['schedule'].get(k),now['schedule'].get(k)
+        if a is None or b is None: out.append(f"{k}: {'scheduled' if a else 'not scheduled'} before, {'scheduled' if b else 'not scheduled'} now")
+        else: out += [f"{k} at {p:.0%} of the fit: saved {_txt(x)}, now {_txt(y)}" for p,x,y in zip(_PCTS, a, b) if not _same(x, y)][:1]
+    hs,hn = saved['hypers'],now['hypers']
+    if len(hs) != len(hn): out.append(f"parameter groups: saved {len(hs)}, now {len(hn)}")
+    for k in sorted({k for h in hs+hn for k in h}):
+        diff = [(g, a.get(k), b.get(k)) for g,(a,b) in enumerate(zip(hs, hn)) if not _same(a.get(k), b.get(k))]
+        if diff: out.append(f"{k}{f' (group {diff[0][0]})' if len(hs) > 1 else ''}: saved {_txt(diff[0][1])}, now {_txt(diff[0][2])}")
+    out += [f"{n}: saved {saved[k]}, now {now[k]}" for k,n in (('loss', 'loss function'), ('opt', 'optimizer')) if saved[k] != now[k]]
+    return out
+
+def _check_plan(saved, now, file, strict=False):
+    "Warn, or with `strict` refuse, when the fit call continuing the resume point in `file` was asked for other hyperparameters"
+    ch = _plan_changes(saved, now)
+    if not ch: return
+    msg = f"{file} was written by a fit call with other hyperparameters ({'; '.join(ch)})"
+    if strict: raise CheckpointError(f"{msg}. Undo the change to continue it, or delete the file to start fresh")
+    warnings.warn(f"{msg}; continuing anyway, so the result matches neither run (strict_hypers=True refuses)", stacklevel=2)
+
 # %% ../nbs/01_learner.ipynb #34e07e63
+def _epoch_start(er, rng):
+    "The random streams at the start of an epoch, from its `epoch_rng` (resume points of 0.1.0 kept torch's only: the others from `rng`)"
+    return er['rng'] if 'rng' in er else dict(rng, torch_state=er['torch'])
+
 class SkipToIter(Callback):
     "Fast-forward `fit` to batch `iter` of epoch `epoch`, or to the resume point `learn.load` left"
     order = 1000
@@ -198,12 +367,12 @@ class SkipToIter(Callback):
         self.rp = rp = self.learn.__dict__.pop('_resume', None)
         if rp is not None:
             if rp['check']: check_setup(rp['setup'], run_setup(self.learn, self.n_epoch), rp['file'])
+            if rp.get('strict_hypers') is not None: _check_plan(rp.get('plan'), fit_plan(self.learn), rp['file'], rp['strict_hypers'])
             self.start_epoch,self.start_iter = rp['epoch'],rp['iter']
             for k in rp['hypers'][0]: self.opt.set_hyper(k, [h[k] for h in rp['hypers']])
             for p,g in zip(self.model.parameters(), rp['grads']): _set_grad(p, g)
             if not self.start_iter: _restore_streams(self.learn, rp)
-            else:
-                for dl,s in zip(self.dls.loaders, rp['dl_rngs']): set_dl_rng_state(dl, s)
+            else: _restore_dls(self.learn, rp)
         self.learn._start_epoch,self.learn.epoch = self.start_epoch,min(self.start_epoch, self.n_epoch-1)  # resumed at its very end, a run ends as it would have
         if rp is not None: self.learn.pct_train = rp['pct_train']
         mbar = getattr(getattr(self.learn, 'progress', None), 'mbar', None)
@@ -215,20 +384,19 @@ class SkipToIter(Callback):
         for _ in range(self.start_iter): pct += step  # the additions TrainEvalCallback makes, bit for bit
         return pct
 
+    def _keep_epoch_rng(self): self.epoch_rng = _epoch_streams(self.learn)
+
     def before_train(self):
-        if self.epoch != self.start_epoch or not self.start_iter:
-            self.epoch_rng = dict(torch=torch.get_rng_state(), dl=dl_rng_state(self.dls.train))
-            return
-        if not isinstance(self.dl, DataLoader):
-            raise TypeError(f"SkipToIter can start inside an epoch only with fastai DataLoaders, not {type(self.dl).__name__}; resume at an epoch's end instead")
-        rp,self.n_iter_train = self.rp,len(self.dl)
+        if self.epoch != self.start_epoch or not self.start_iter: return self._keep_epoch_rng()
+        ff,rp,self.n_iter_train = _fast_forwarder(self.dl),self.rp,len(self.dl)
         self.learn.pct_train = rp['pct_train'] if rp else self._replayed_pct()
-        if rp is None: self.epoch_rng = dict(torch=torch.get_rng_state(), dl=dl_rng_state(self.dls.train))
+        if rp is None: self._keep_epoch_rng()
         else:
             self.epoch_rng = rp['epoch_rng']
             set_dl_rng_state(self.dls.train, self.epoch_rng['dl'])
+            restore_state(self.dls.train, self.epoch_rng.get('dl_state'))
             _restore_streams(self.learn, rp, dls=False)
-        self.learn.dl = _FastForward(self.dl, self.start_iter, self.epoch_rng['torch'] if rp else None)
+        self.learn.dl = ff(self.dl, self.start_iter, _epoch_start(self.epoch_rng, rp['rng']) if rp else None)  # `epoch_rng` as the callbacks left it
         self.start_iter = 0
 
     def after_fit(self): self.learn.__dict__.pop('_start_epoch', None)
@@ -260,10 +428,12 @@ def save(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
          extra:dict|None=None, # more plain values to keep in the record
         ):
     "Save model and optimizer state to `learn.path/learn.model_dir/file`, with the resume point if `with_iter`"
-    file = _location(self, file)
-    if rank_distrib(): return file
+    file,full = _location(self, file),with_opt and with_iter and self.opt is not None
+    if rank_distrib():
+        if full: resume_point(self)  # every rank takes part in gathering the states (`DistributedTrainer`'s random streams)
+        return file
     store,name = locate(file)
-    if not (with_opt and with_iter and self.opt is not None):
+    if not full:
         if isinstance(store, LocalStore):
             save_model(file, self.model, getattr(self,'opt',None), with_opt=with_opt, pickle_protocol=pickle_protocol)
             return file
@@ -287,6 +457,19 @@ def _load_opt(opt, sd, file):
     if isinstance(getattr(type(opt), 'hypers', None), property): return
     opt.hypers = L(opt.hypers)  # saved as a plain list; fastai's optimizers keep an `L`
 
+def _world_size()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+def _world_error(file, saved, now):
+    return CheckpointError(f"{file} holds a resume point of a run on {saved} process(es); this run has {now}. Another world size would not "
+        f"continue the same run (other shards, batch positions and random streams): relaunch with {saved} process(es) "
+        "(torchrun --nproc_per_node ...), or load it with with_iter=False to start a new run from its weights")
+
+def _check_world(rec, file):
+    saved = rec['callbacks'].get('distributed_trainer', {}).get('world_size', 1)
+    if saved != _world_size(): raise _world_error(file, saved, _world_size())
+
+_loads = 0  # calls of the package's `Learner.load`: `_load_through` checks that a subclass's `load` reaches it
+
 @patch
 def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or an fsspec URL
          device=None, # where to put the tensors; the DataLoaders' device by default
@@ -294,9 +477,12 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
          with_iter:bool=True, # continue from the resume point, if the file holds one
          strict:bool=True, # as for `Module.load_state_dict`
          check_setup:bool=True, # refuse a resume point from a run with another setup
+         strict_hypers:bool|None=False, # when the next fit was asked for other hyperparameters than the resume point's: refuse (True), warn (False), say nothing (None)
          **kwargs # ignored: loading is always `weights_only=True`
         ):
     "Load model and optimizer state from `learn.path/learn.model_dir/file`; the next `fit` continues a resume point"
+    global _loads
+    _loads += 1
     if device is None and hasattr(self.dls, 'device'): device = self.dls.device
     if isinstance(device, int): device = torch.device('cuda', device)
     if self.opt is None: self.create_opt()
@@ -317,8 +503,30 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
     if not getattr(self, '_fitting', False) or self._event == 'before_fit':
         self.__dict__.pop('_resume', None)
         if with_iter and with_opt and rec is not None and rec.get('epoch') is not None:
-            self._resume = dict(rec, file=str(file), check=check_setup)
+            _check_world(rec, file)
+            self._resume = dict(rec, file=str(file), check=check_setup, strict_hypers=strict_hypers)
     return self
+
+# %% ../nbs/01_learner.ipynb #649a4b94
+class _AfterImport(importlib.abc.MetaPathFinder):
+    "Call a function on a module right after it is first imported, without importing it"
+    def __init__(self): self.todo = {}
+    def find_spec(self, name, path, target=None):
+        if name not in self.todo: return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None: return None
+        run = spec.loader.exec_module
+        def _exec(module): run(module); self.todo.pop(name)(module)
+        spec.loader.exec_module = _exec
+        return spec
+
+_after_import = _AfterImport()
+sys.meta_path.insert(0, _after_import)
+
+def _when_imported(name:str, f):
+    "Call `f(module)` on module `name` now if it is imported, else right after it is"
+    if name in sys.modules: f(sys.modules[name])
+    else: _after_import.todo[name] = f
 
 # %% ../nbs/01_learner.ipynb #132daca2
 @patch
@@ -349,4 +557,42 @@ def _start_through(f):
     _fit._fastai = f
     return _fit
 
-for _n in ('fit_one_cycle','fit_flat_cos','fit_sgdr'): setattr(Learner, _n, _start_through(_fastai[_n]))
+def _wrap_schedules(module):
+    check_fastai({n: h for n,h in _RELIED_ON.items() if n in ('Learner.fit_one_cycle','Learner.fit_flat_cos','Learner.fit_sgdr','Learner.fine_tune')})
+    for n in ('fit_one_cycle','fit_flat_cos','fit_sgdr'):
+        f = getattr(Learner, n)
+        setattr(Learner, n, _start_through(getattr(f, '_fastai', f)))
+
+_when_imported('fastai.callback.schedule', _wrap_schedules)
+
+# %% ../nbs/01_learner.ipynb #721fef4e
+_bypassing = {'fastai.text.learner.TextLearner': ('load',)}  # fastai's overrides that do not call `Learner`'s
+
+def _adopt(cls):
+    "Remove the overrides of `cls` listed in `_bypassing`, so that `cls` uses the package's methods"
+    for n in _bypassing.get(_qualname(cls), ()):
+        if n in vars(cls): delattr(cls, n)
+
+def _adopt_subclasses(cls, **kwargs):
+    super(Learner, cls).__init_subclass__(**kwargs)
+    _adopt(cls)
+
+def _subclasses(c): return [s for d in c.__subclasses__() for s in (d, *_subclasses(d))]
+
+Learner.__init_subclass__ = classmethod(_adopt_subclasses)
+for _c in _subclasses(Learner): _adopt(_c)
+
+def _bypassed(learn, name):
+    return TypeError(f"{type(learn).__qualname__}.{name} does not call Learner.{name}, which resuming needs (AutoResume calls "
+                     f"`learn.load(file, with_iter=...)` and continues inside `Learner.fit`); make it call `super().{name}(...)`, passing on "
+                     "the keyword arguments it does not use")
+
+def _load_through(learn, file, **kwargs):
+    "`learn.load(file, **kwargs)`, refusing a subclass's `load` that does not reach the package's `Learner.load`"
+    before = _loads
+    try: learn.load(file, **kwargs)
+    except Exception as e:
+        if _loads == before: raise _bypassed(learn, 'load') from e
+        raise
+    if _loads == before: raise _bypassed(learn, 'load')
+    return learn

@@ -6,24 +6,18 @@ Docs: https://resumable-train.github.io/resumable_train/state.html.md"""
 
 # %% ../nbs/00_state.ipynb #f26101a2
 from __future__ import annotations
-import random
+import os, random, time
 from pathlib import Path
 import numpy as np, torch
-from fastcore.basics import patch
 from fastcore.foundation import L
-from fastai.torch_core import get_random_states, set_random_states, num_distrib
-from fastai.learner import Recorder
-from fastai.callback.schedule import ParamScheduler
-from fastai.callback.tracker import TrackerCallback
-from fastai.callback.training import GradientAccumulation
-from fastai.callback.fp16 import MixedPrecision
-from fastai.callback.progress import CSVLogger
+from fastai.torch_core import get_random_states, set_random_states, num_distrib, rank_distrib, get_model
 from .files import *
 from .files import _pack, _unpack
 
 # %% auto #0
-__all__ = ['to_plain', 'rng_state', 'set_rng_state', 'dl_rng_state', 'set_dl_rng_state', 'has_state', 'callback_states',
-           'load_callback_states', 'run_setup', 'check_setup']
+__all__ = ['to_plain', 'rng_state', 'set_rng_state', 'dl_rng_state', 'set_dl_rng_state', 'register_state', 'has_state',
+           'state_of', 'restore_state', 'callback_states', 'load_callback_states', 'run_setup', 'check_setup',
+           'dl_states', 'load_dl_states', 'module_states', 'load_module_states']
 
 # %% ../nbs/00_state.ipynb #45ebe4e0
 def to_plain(o, copy:bool=False): # copy tensors to host memory, detached from training
@@ -61,19 +55,58 @@ def set_rng_state(s:dict): # a dict from `rng_state`
                              torch_cuda_state=[t.cpu() for t in s['torch_cuda_state']]))
 
 # %% ../nbs/00_state.ipynb #4dfd6525
-def dl_rng_state(dl)->list|None:
-    "The state of `dl.rng` as plain values (`None` for a DataLoader without one, such as PyTorch's)"
-    if not isinstance(getattr(dl, 'rng', None), random.Random): return None
-    return _py_plain(dl.rng.getstate())
+def _chain(s):
+    "A sampler and the samplers it wraps, through their `sampler` attributes"
+    while s is not None: yield s; s = getattr(s, 'sampler', None)
 
-def set_dl_rng_state(dl, s:list|None):
-    "Restore `dl.rng` from `dl_rng_state`"
-    if s is not None: dl.rng.setstate(_py_state(s))
+def _torch_generators(dl)->list:
+    "The `torch.Generator`s of a PyTorch DataLoader and of its samplers (none when they draw from torch's global stream)"
+    samplers = [*_chain(getattr(dl, 'sampler', None)), *_chain(getattr(dl, 'batch_sampler', None))]
+    gs = [getattr(o, 'generator', None) for o in [dl, *samplers]]
+    return list({id(g): g for g in gs if isinstance(g, torch.Generator)}.values())
+
+def dl_rng_state(dl)->list|dict|None:
+    "The state of `dl`'s own random streams as plain values: fastai's `dl.rng`, a PyTorch DataLoader's generators, or `None`"
+    if isinstance(getattr(dl, 'rng', None), random.Random): return _py_plain(dl.rng.getstate())
+    gs = _torch_generators(dl)
+    return {'generators': [g.get_state() for g in gs]} if gs else None
+
+def set_dl_rng_state(dl, s:list|dict|None):
+    "Restore `dl`'s random streams from `dl_rng_state`"
+    if isinstance(s, dict):
+        for g,t in zip(_torch_generators(dl), s['generators']): g.set_state(t)
+    elif s is not None: dl.rng.setstate(_py_state(s))
 
 # %% ../nbs/00_state.ipynb #4ee0f400
-def has_state(cb)->bool:
-    "Does `cb`'s class define `state_dict` and `load_state_dict`?"
-    return all(callable(getattr(type(cb), n, None)) for n in ('state_dict', 'load_state_dict'))
+_registry = {}
+
+def register_state(cls:str, # a class's module and name, e.g. 'fastai.text.data.LMDataLoader'
+                   state_dict, # `state_dict(o)`: the state of `o` (of that class, or a subclass) as plain values
+                   load_state_dict, # `load_state_dict(o, sd)`: put that state back into `o`
+                  ):
+    "Keep the state of the objects of class `cls` in resume points, without importing `cls`"
+    _registry[cls] = (state_dict, load_state_dict)
+
+def _qualname(c): return f'{c.__module__}.{c.__qualname__}'
+
+def _state_fns(o, own:bool=True):
+    "`o`'s `(state_dict, load_state_dict)`: from the most derived class that defines them (with `own`) or has them registered"
+    for c in type(o).__mro__:
+        if own and {'state_dict','load_state_dict'} <= set(vars(c)): return vars(c)['state_dict'],vars(c)['load_state_dict']
+        if _qualname(c) in _registry: return _registry[_qualname(c)]
+
+def has_state(o, own:bool=True)->bool:
+    "Does `o` keep a state in resume points (its class defines `state_dict` and `load_state_dict`, with `own`, or is registered)?"
+    return _state_fns(o, own) is not None
+
+def state_of(o, own:bool=True):
+    "The state of `o` as plain values, `None` if it keeps none"
+    fns = _state_fns(o, own)
+    return None if fns is None else to_plain(fns[0](o))
+
+def restore_state(o, sd, own:bool=True):
+    "Put back the state that `state_of` gave (nothing for `None`)"
+    if sd is not None: _state_fns(o, own)[1](o, sd)
 
 def _vars_state(o, names): return {n: vars(o)[n] for n in names if n in vars(o)}
 def _set_vars(o, sd):
@@ -85,79 +118,83 @@ def _is_plain(v):
     if isinstance(v, (list, tuple)): return all(map(_is_plain, v))
     return isinstance(v, dict) and all(map(_is_plain, v.values()))
 
-def _metric_state(m): return m.state_dict() if has_state(m) else {k:v for k,v in vars(m).items() if _is_plain(v)}
-def _set_metric_state(m, sd): m.load_state_dict(sd) if has_state(m) else _set_vars(m, sd)
+def _metric_state(m): return state_of(m) if has_state(m) else {k:v for k,v in vars(m).items() if _is_plain(v)}
+def _set_metric_state(m, sd): restore_state(m, sd) if has_state(m) else _set_vars(m, sd)
 
-@patch
-def state_dict(self:Recorder):
+def _recorder_state(r):
     "History, smoothed loss and running training metrics"
-    sd = _vars_state(self, ('lrs','iters','losses','values'))
+    sd = _vars_state(r, ('lrs','iters','losses','values'))
     for k in ('lrs','losses'):  # one record per run, not one per batch: saves stay cheap in long runs
         if k in sd: sd[k] = _pack(sd[k])
-    return dict(sd, metrics=[_metric_state(m) for m in self._train_mets])
+    return dict(sd, metrics=[_metric_state(m) for m in r._train_mets])
 
-@patch
-def load_state_dict(self:Recorder, sd):
-    "Restore the state saved by `Recorder.state_dict`"
-    _set_vars(self, {k:list(sd[k]) for k in ('iters','values')})
-    self.lrs,self.losses = _unpack(sd['lrs']),_unpack(sd['losses'])
-    for m,s in zip(self._train_mets, sd['metrics']): _set_metric_state(m, s)
-    if self.smooth_loss.count: self.learn.smooth_loss = self.smooth_loss.value
+def _set_recorder_state(r, sd):
+    _set_vars(r, {k:list(sd[k]) for k in ('iters','values')})
+    r.lrs,r.losses = _unpack(sd['lrs']),_unpack(sd['losses'])
+    for m,s in zip(r._train_mets, sd['metrics']): _set_metric_state(m, s)
+    if r.smooth_loss.count: r.learn.smooth_loss = r.smooth_loss.value
+
+register_state('fastai.learner.Recorder', _recorder_state, _set_recorder_state)
 
 # %% ../nbs/00_state.ipynb #485252f4
-@patch
-def state_dict(self:TrackerCallback):
-    "Best value so far, and the wait counter of the trackers that have one"
-    return _vars_state(self, ('best','new_best','wait'))
+def _tracker_state(cb): return _vars_state(cb, ('best','new_best','wait'))
+register_state('fastai.callback.tracker.TrackerCallback', _tracker_state, _set_vars)
 
-@patch
-def load_state_dict(self:TrackerCallback, sd): _set_vars(self, sd)
+def _scheduler_state(cb): return {'hps': {k:_pack(v) for k,v in cb.hps.items()}}
+def _set_scheduler_state(cb, sd): cb.hps = {k:_unpack(v) for k,v in sd['hps'].items()}
+register_state('fastai.callback.schedule.ParamScheduler', _scheduler_state, _set_scheduler_state)
 
-@patch
-def state_dict(self:ParamScheduler): return {'hps': {k:_pack(v) for k,v in self.hps.items()}}
-@patch
-def load_state_dict(self:ParamScheduler, sd): self.hps = {k:_unpack(v) for k,v in sd['hps'].items()}
+def _accumulation_state(cb): return {'count': cb.count}
+register_state('fastai.callback.training.GradientAccumulation', _accumulation_state, _set_vars)
 
-@patch
-def state_dict(self:GradientAccumulation): return {'count': self.count}
-@patch
-def load_state_dict(self:GradientAccumulation, sd): self.count = sd['count']
-
-@patch
-def state_dict(self:MixedPrecision): return {'scaler': self.learn.scaler.state_dict(), 'scales': list(self.scales)}
-@patch
-def load_state_dict(self:MixedPrecision, sd):
-    if sd['scaler']: self.learn.scaler.load_state_dict(sd['scaler'])
-    self.scales = L(sd['scales'])
+def _precision_state(cb): return {'scaler': cb.learn.scaler.state_dict(), 'scales': list(cb.scales)}
+def _set_precision_state(cb, sd):
+    if sd['scaler']: cb.learn.scaler.load_state_dict(sd['scaler'])
+    cb.scales = L(sd['scales'])
+register_state('fastai.callback.fp16.MixedPrecision', _precision_state, _set_precision_state)
 
 # %% ../nbs/00_state.ipynb #21686c69
-@patch
-def state_dict(self:CSVLogger):
-    "What the file holds at this point of the run"
-    f = getattr(self, 'file', None)
-    if f is None or f.closed: return {'text': None}
-    f.flush()
-    return {'text': (self.path/self.fname).read_text()}
+def _csv_state(cb):
+    "What the file holds at this point of the run, and when it was last written"
+    f,p = getattr(cb, 'file', None),cb.path/cb.fname
+    if f is not None and not f.closed: f.flush()
+    return {'text': p.read_text(), 'mtime_ns': p.stat().st_mtime_ns} if p.exists() else {'text': None}
 
-@patch
-def load_state_dict(self:CSVLogger, sd):
-    if sd.get('text') is None or getattr(self, 'file', None) is None: return
-    self.file.close()
-    (self.path/self.fname).write_text(sd['text'])
-    self.file = (self.path/self.fname).open('a')
+def _set_csv_state(cb, sd):
+    if sd.get('text') is None or rank_distrib(): return
+    f,p = getattr(cb, 'file', None),cb.path/cb.fname
+    was_open = f is not None and not f.closed
+    if was_open: f.close()
+    p.write_text(sd['text'])
+    if 'mtime_ns' in sd: os.utime(p, ns=(time.time_ns(), sd['mtime_ns']))
+    if was_open: cb.file = p.open('a')
+
+register_state('fastai.callback.progress.CSVLogger', _csv_state, _set_csv_state)
 
 # %% ../nbs/00_state.ipynb #71e731ea
+def _keyed_callbacks(learn)->dict:
+    "The callbacks of `learn` that keep a state, by a stable key: the name, and the index among callbacks of the class where there are several"
+    cbs,res = [cb for cb in learn.cbs if has_state(cb)],{}
+    for cb in cbs:
+        same = [c for c in cbs if type(c) is type(cb)]
+        key = cb.name if len(same) == 1 else f'{cb.name}.{next(i for i,c in enumerate(same) if c is cb)}'
+        if key in res: raise ValueError(f"The callbacks {_qualname(type(res[key]))} and {_qualname(type(cb))} are both named {key!r}, so a "
+                                        "resume point cannot tell their states apart; rename one of the two classes")
+        res[key] = cb
+    return res
+
 def callback_states(learn)->dict:
-    "The `state_dict` of each callback of `learn` that has one, by name"
-    return {cb.name: to_plain(cb.state_dict()) for cb in learn.cbs if has_state(cb)}
+    "The state of each callback of `learn` that keeps one, by a stable key"
+    return {k: state_of(cb) for k,cb in _keyed_callbacks(learn).items()}
 
 def load_callback_states(learn, sds:dict):
     "Give each callback of `learn` its state from `callback_states`"
-    cbs = {cb.name: cb for cb in learn.cbs if has_state(cb)}
+    cbs = _keyed_callbacks(learn)
     if set(sds) - set(cbs):
-        raise ValueError(f"The resume point holds the state of callbacks this Learner does not have: {sorted(set(sds)-set(cbs))}; "
-                         "add them, as in the run that saved it, or load the file with `with_iter=False` to start a fresh fit")
-    for n,sd in sds.items(): cbs[n].load_state_dict(sd)
+        raise ValueError(f"The resume point holds the state of callbacks this Learner does not have: {sorted(set(sds)-set(cbs))} (it has "
+                         f"{sorted(cbs)}; several callbacks of one class are told apart by their order); add them, as in the run that saved "
+                         "it, or load the file with `with_iter=False` to start a fresh fit")
+    for k,sd in sds.items(): restore_state(cbs[k], sd)
 
 # %% ../nbs/00_state.ipynb #13b37f49
 def run_setup(learn, n_epoch:int)->dict:
@@ -172,3 +209,40 @@ def check_setup(saved:dict, now:dict, file=''):
     diff = [f"{k}: saved {saved.get(k)}, now {v}" for k,v in now.items() if saved.get(k) != v]
     if diff: raise CheckpointError(f"{file} holds a resume point of a different run ({'; '.join(diff)}). "
                                    "Pass check_setup=False to resume anyway, or remove the file (or load it with with_iter=False) to start fresh")
+
+# %% ../nbs/00_state.ipynb #211668db
+def _lm_order(dl): return {'order': torch.tensor(list(dl.items.idxs)), 'seq_len': dl.seq_len}
+
+def _set_lm_order(dl, sd):
+    if sd['seq_len'] != dl.seq_len:
+        raise CheckpointError(f"The resume point is of a language model trained with seq_len={sd['seq_len']}; this LMDataLoader has "
+                              f"seq_len={dl.seq_len}. Use the same seq_len, or load the file with with_iter=False to start fresh")
+    dl.items.reindex(L(sd['order'].tolist()))
+    dl.lens.reindex(dl.items.idxs)  # `LMDataLoader` shares one order between its documents and their lengths
+    dl.make_chunks()
+
+register_state('fastai.text.data.LMDataLoader', _lm_order, _set_lm_order)
+
+def _to(o, device): return o.to(device) if isinstance(o, torch.Tensor) else type(o)(_to(x, device) for x in o)
+def _rnn_hidden(m): return {'bs': m.bs, 'hidden': m.hidden}
+def _set_rnn_hidden(m, sd): m.bs,m.hidden = sd['bs'],_to(sd['hidden'], next(m.parameters()).device)
+
+register_state('fastai.text.models.awdlstm.AWD_LSTM', _rnn_hidden, _set_rnn_hidden)
+
+# %% ../nbs/00_state.ipynb #4cb168c6
+def dl_states(learn)->list:
+    "The state of each of `learn`'s DataLoaders (`None` for one that keeps none)"
+    return [state_of(dl) for dl in learn.dls.loaders]
+
+def load_dl_states(learn, sds:list):
+    "Give `learn`'s DataLoaders the states `dl_states` gave"
+    for dl,sd in zip(learn.dls.loaders, sds): restore_state(dl, sd)
+
+def module_states(model)->dict:
+    "The registered state of each module of `model` that keeps one (a recurrent model's hidden state), by the module's name"
+    return {n: state_of(m, own=False) for n,m in get_model(model).named_modules() if has_state(m, own=False)}
+
+def load_module_states(model, sds:dict):
+    "Give `model`'s modules the states `module_states` gave"
+    mods = dict(get_model(model).named_modules())
+    for n,sd in sds.items(): restore_state(mods[n], sd, own=False)

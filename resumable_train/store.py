@@ -44,9 +44,9 @@ class LocalStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         return write_checkpoint(obj, self.where(name), durable=durable, pickle_protocol=pickle_protocol)
 
-    def load(self, name:str, map_location='cpu')->dict:
+    def load(self, name:str, map_location='cpu', **kwargs)->dict: # `kwargs` for `read_checkpoint` (`mmap`)
         "The checkpoint `name`; `CheckpointError` saying what is wrong with it"
-        return read_checkpoint(self.where(name), map_location=map_location)
+        return read_checkpoint(self.where(name), map_location=map_location, **kwargs)
 
     def remove(self, name:str): self.where(name).unlink(missing_ok=True)
 
@@ -154,7 +154,7 @@ def save(self:FsspecStore, obj, name:str, durable:bool=True, # ignored: an objec
     return url
 
 @patch
-def load(self:FsspecStore, name:str, map_location='cpu')->dict:
+def load(self:FsspecStore, name:str, map_location='cpu', **kwargs)->dict: # `kwargs` for `read_checkpoint` (`mmap`)
     "The checkpoint `name`, checked against its manifest; `CheckpointError` if it is incomplete or damaged"
     url,key = self.where(name),self._key(name)
     man = self._try('read', url+MANIFEST, self.fs.cat_file, key+MANIFEST, absent=None)
@@ -164,7 +164,7 @@ def load(self:FsspecStore, name:str, map_location='cpu')->dict:
         if self._try('read', url, self.fs.get_file, key, str(tmp), absent=False) is False:
             raise CheckpointError(f"{url} does not exist (its manifest does)")
         if (why := _mismatch(tmp, man)) is not None: raise CheckpointError(f"{url} {why}")
-        return read_checkpoint(tmp, map_location=map_location, name=url)
+        return read_checkpoint(tmp, map_location=map_location, name=url, **kwargs)
 
 @patch
 def remove(self:FsspecStore, name:str):

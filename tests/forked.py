@@ -9,7 +9,7 @@ signal, as Popen reports it).
 
 Fork only from a process that has not trained anything (no OpenMP threads started): the test process only imports.
 """
-import io, os, runpy, signal, subprocess, sys, threading, time, traceback
+import io, os, runpy, signal, subprocess, sys, threading, time, traceback, warnings
 
 class ForkedChild:
     "A forked child running a script; the subset of `subprocess.Popen` the tests use"
@@ -59,6 +59,18 @@ class ForkedChild:
         done.wait(10)
         return ''.join(out), ''
 
+def _show_warning(msg):
+    "Python's own way of showing a warning: on stderr"
+    try: (msg.file or sys.stderr).write(warnings._formatwarnmsg(msg))
+    except (OSError, AttributeError): pass
+
+def _fresh_warnings():
+    "Warnings as a new python process has them: the test process's (pytest records them instead of printing) would hide the child's"
+    warnings.resetwarnings()
+    for c in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning): warnings.simplefilter('ignore', c)
+    warnings.filterwarnings('default', category=DeprecationWarning, module='__main__')
+    warnings._showwarnmsg_impl,warnings.showwarning = _show_warning,warnings._showwarning_orig
+
 def _child(script, args, env, cwd, w):
     "Run in the forked child: become a new session, send output to `w`, run `script` as `__main__`, never return"
     code = 1
@@ -70,6 +82,7 @@ def _child(script, args, env, cwd, w):
         sys.stdin = open(os.devnull)
         for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP): signal.signal(s, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        _fresh_warnings()
         os.environ.update(env or {})
         if cwd: os.chdir(cwd)
         sys.argv = [str(script), *map(str, args)]
@@ -91,7 +104,7 @@ def _child(script, args, env, cwd, w):
 
 class Forker:
     "Forks children that run scripts, from a process that imported `modules` once"
-    def __init__(self, modules=('fastai.basics', 'fastai.callback.all', 'resumable_train')):
+    def __init__(self, modules=('fastai.basics', 'fastai.callback.all', 'resumable_train.all')):
         import importlib
         for m in modules: importlib.import_module(m)
 

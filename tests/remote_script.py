@@ -6,7 +6,7 @@ each training batch (see `killrerun.Report`) and saves its result to OUT. With `
 once the data object is in the store and waits S seconds before the manifest goes up: a kill then leaves a resume point without its
 manifest.
 """
-import argparse, sys, time, warnings
+import argparse, time
 import torch
 from torch import nn
 from fastai.basics import *
@@ -14,9 +14,6 @@ from fastai.test_utils import synth_dbunch
 from resumable_train.autoresume import AutoResume
 from resumable_train.store import as_store, MANIFEST
 from killrerun import Report, save_result
-
-# A child forked from pytest inherits pytest's capture of warnings: print them, as `python remote_script.py` would
-warnings.showwarning = lambda msg, cat, fname, lineno, file=None, line=None: sys.stderr.write(warnings.formatwarning(msg, cat, fname, lineno, line))
 
 p = argparse.ArgumentParser()
 p.add_argument('out')

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The whole test suite: notebooks clean and in sync with the modules, then the notebooks' tests, then the process-level tests.
+# The whole test suite: notebooks clean and in sync with the modules, the docs build, every notebook's tests with its outputs current,
+# then the process-level tests. `bash tests/run.sh --update-outputs` instead reruns the notebooks and writes their outputs into them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=1
+export OMP_NUM_THREADS=1 PYTHONHASHSEED=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout, even if another is installed
+if [ "${1:-}" = --update-outputs ]; then python tests/notebooks.py --update; nbdev-clean; exit; fi
+start=$(date +%s)
+logs=$(mktemp -d); trap 'rm -rf "$logs"' EXIT
 snap() { git status --porcelain -- nbs resumable_train; git diff -- nbs resumable_train | sha1sum; sha1sum $(git ls-files --others --exclude-standard -- nbs resumable_train) /dev/null; }
 before=$(snap)
 nbdev-clean
@@ -13,9 +17,15 @@ for m in resumable_train/*.py; do
   n=$(basename "$m" .py); case "$n" in __init__|_modidx) continue;; esac
   grep -lq "default_exp $n\b" nbs/*.ipynb || { echo "FAIL: $m has no notebook (#| default_exp $n)"; exit 1; }
 done
-echo "== notebooks"
-# One process per notebook: the notebooks patch fastai's Learner as they run, and nbdev-test's pool would reuse a process for another notebook.
-ls nbs/*.ipynb | xargs -P 2 -I{} sh -c 'start=$(date +%s); nbdev-test "{}" >"/tmp/nbtest.$$.$(basename {}).log" 2>&1 && echo "ok   {} ($(( $(date +%s)-start ))s)" || { echo "FAIL {}"; cat "/tmp/nbtest.$$.$(basename {}).log"; exit 255; }'
-
+# The process-level tests run beside the notebooks (each side mostly waits on its own processes); their report is shown at the end.
+python -m pytest -q -rs -p no:cacheprovider tests >"$logs/pytest.log" 2>&1 & pytest_pid=$!
+echo "== docs build (nbdev-proc-nbs)"
+nbdev-proc-nbs >"$logs/proc.log" 2>&1 || { cat "$logs/proc.log"; echo "FAIL: nbdev-proc-nbs: the docs do not build"; exit 1; }
+echo "== notebooks: tests, and outputs current"
+nb_rc=0; python tests/notebooks.py || nb_rc=$?
 echo "== process-level tests"
-python -m pytest -q tests
+py_rc=0; wait $pytest_pid || py_rc=$?
+cat "$logs/pytest.log"
+echo "== $(( $(date +%s)-start ))s"
+[ $nb_rc = 0 ] || { echo "FAIL: notebooks"; exit 1; }
+[ $py_rc = 0 ] || { echo "FAIL: process-level tests"; exit 1; }

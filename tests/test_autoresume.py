@@ -1,17 +1,21 @@
 "Kill a training script that uses AutoResume (SIGKILL, SIGTERM, during a write), rerun it: it ends bitwise where an uninterrupted run ends."
-import os, queue, random, signal, sys, threading, time
+import os, queue, random, re, signal, sys, threading, time
 from pathlib import Path
 import pytest, torch
-import subprocess
-import helpers
-from helpers import PY, TESTS, kill_group, diff_values
+from helpers import TESTS, kill_group, diff_values
 
 SCRIPT = str(TESTS/'autoresume_script.py')
 
+FORKER = None  # set by the `_forker` fixture: the script runs in children forked from the test process (see forked.py)
+
+@pytest.fixture(scope='module', autouse=True)
+def _forker(forker):
+    global FORKER
+    FORKER = forker
+
 def launch(d, out, *args):
-    "Start the script; return the process and a queue of its stdout lines"
-    p = subprocess.Popen([PY, SCRIPT, '--dir', str(d), '--out', str(out), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, env=helpers.test_env(), start_new_session=True)
+    "Start the script in a forked child; return the process and a queue of its output lines"
+    p = FORKER.start(SCRIPT, '--dir', str(d), '--out', str(out), *args)
     q = queue.Queue()
     def pump():
         for line in p.stdout: q.put(line)
@@ -84,8 +88,9 @@ def test_kills_one_cycle(refs, tmp_path):
     text = ''.join(lines)
     assert rc == 128 + signal.SIGTERM and secs < 10, (rc, secs, text[-2000:])
     assert f'{newest} is truncated' in text, "the rerun names the damaged file it passed over"
-    stop = [l for l in lines if l.startswith('AutoResume: stopped by SIGTERM')][0].split()
-    ep,bt = int(stop[6].rstrip(',')), int(stop[8].rstrip(';'))
+    stop = [l for l in lines if l.startswith('AutoResume: stopped by SIGTERM')][0]
+    m = re.search(r'at epoch (\d+)/4, batch (\d+)/6;', stop) or re.search(r'at end of epoch (\d+)/4;()', stop)
+    ep,bt = (int(m.group(1))-1, int(m.group(2))) if m.group(2) else (int(m.group(1)), 0)
     lines = run_to_end(d, out)
     assert batches(lines)[0] == ['0', str(ep), str(bt)], "the rerun starts at the batch after the one SIGTERM finished"
     assert len(batches(lines)) == refs['one_cycle_batches'] - (ep*6 + bt)

@@ -1,54 +1,140 @@
-"The installed `resumable-train` command, in real processes: demo interrupted by SIGINT and rerun, inspect and ls, bad input"
-import json, os, re, signal, sys, time
+"""The installed `resumable-train` command: `inspect` and `ls` answer without importing fastai, with one verdict per kind of file, and
+in about the time `torch.load` alone takes; the demo interrupted by SIGINT and rerun ends with the digest of an uninterrupted run."""
+import json, os, random, signal, subprocess, sys, textwrap, time
 from pathlib import Path
-import pytest
-from helpers import run, start, finish, check_rc
+import pytest, torch
+from helpers import PY, run, check_rc
 
 CMD = str(Path(sys.executable).parent/'resumable-train')
-DIGEST = re.compile(r'weights ([0-9a-f]{12})')
 
-def demo(d, *args): return [CMD, 'demo', '--dir', str(d), '--epochs', '2', *args]
+def digest(out):
+    import re
+    m = re.search(r'weights ([0-9a-f]{12})', out)
+    assert m, out[-2000:]
+    return m.group(1)
 
 @pytest.fixture(scope='module')
-def runs(tmp_path_factory):
-    "An uninterrupted demo run, and one stopped by SIGINT in epoch 1 (then rerun), side by side"
+def runs(tmp_path_factory, forker):
+    "An uninterrupted demo run, and one stopped by SIGINT in its second epoch, then rerun: forked children of one process"
     tmp = tmp_path_factory.mktemp('cli')
     assert Path(CMD).exists(), f"{CMD} is not installed: pip install -e ."
-    ref = start(demo(tmp/'ref', '--pause', '0'))
-    p = start(demo(tmp/'cut'))
-    first = tmp/'cut'/'models'/'autoresume-0001.pth'
+    fk = forker
+    ref = fk.start(CMD, 'demo', '--dir', tmp/'ref', '--epochs', '2', '--pause', '0')
+    cut = fk.start(CMD, 'demo', '--dir', tmp/'cut', '--epochs', '2')
+    first = tmp/'cut'/'models'/'autoresume-0001.pth'  # written at the end of the first epoch
     deadline = time.monotonic() + 90
-    while not first.exists() and p.poll() is None and time.monotonic() < deadline: time.sleep(0.1)
-    time.sleep(0.5)
-    os.kill(p.pid, signal.SIGINT)
-    return tmp, finish(ref, 90), finish(p, 60)
+    while not first.exists() and cut.poll() is None and time.monotonic() < deadline: time.sleep(0.05)
+    time.sleep(0.3)
+    cut.send_signal(signal.SIGINT)
+    res = dict(ref=(ref, *ref.communicate(timeout=90)[:1]), cut=(cut, *cut.communicate(timeout=60)[:1]))
+    newest = sorted((tmp/'cut'/'models').glob('autoresume-*.pth'))[-1]
+    saved = torch.load(newest, weights_only=True)['opt']['resume']
+    (tmp/'stopped.pth').write_bytes(newest.read_bytes())  # the resume point SIGINT saved, before the rerun prunes it
+    rerun = fk.run(CMD, 'demo', '--dir', tmp/'cut', '--epochs', '2', timeout=90)
+    again = fk.run(CMD, 'demo', '--dir', tmp/'ref', '--epochs', '2', timeout=90)
+    return dict(tmp=tmp, saved=saved, rerun=rerun, again=again, **res)
 
 def test_demo_resumes_after_sigint(runs):
-    tmp,ref,cut = runs
-    check_rc(ref, 'uninterrupted demo')
-    rc,out,err = cut
-    assert rc == 130, f"rc={rc}\n{out[-2000:]}\n{err[-2000:]}"
-    stop = re.search(r'stopped by SIGINT at epoch (\d+), batch (\d+)', out)
-    assert stop and stop.group(1) == '1', out[-2000:]
-    res = run(demo(tmp/'cut'), timeout=90)
-    check_rc(res, 'resumed demo')
-    assert f"(fit call 0, epoch 1, batch {stop.group(2)})" in res[1], res[1][-2000:]
-    assert DIGEST.search(res[1]).group(1) == DIGEST.search(ref[1]).group(1)
+    (ref,ref_out),(cut,cut_out) = runs['ref'],runs['cut']
+    assert ref.returncode == 0, ref_out[-2000:]
+    assert cut.returncode == 130, f"rc={cut.returncode}\n{cut_out[-2000:]}"
+    assert runs['saved']['epoch'] == 1, "stopped in the second epoch, after the first epoch's resume point"
+    rc,out = runs['rerun']
+    assert rc == 0 and 'AutoResume: continuing' in out, out[-2000:]
+    assert digest(out) == digest(ref_out), "the interrupted and resumed run ends with the uninterrupted run's weights"
+    rc,out = runs['again']
+    assert rc == 0 and 'had already finished' in out and digest(out) == digest(ref_out), out[-2000:]
 
-def test_inspect_and_ls(runs):
-    tmp = runs[0]
-    models = tmp/'ref'/'models'
-    rc,out,err = run([CMD, 'inspect', '--json', str(models/'autoresume-0003.pth')], timeout=60)
-    check_rc((rc, out, err), 'inspect')
+# What each kind of file is, for `inspect`: (exit status, words its message must hold)
+KINDS = {
+    'resume.pth': (0, ['epoch 2/2', 'numbered as the progress bar']),
+    'finished.pth': (0, ['finished run']),
+    'stock.pth': (0, ["no resume point: fastai's model and optimizer"]),
+    'tensors.pth': (0, ['model weights only, not a fastai checkpoint', "keys 'a'"]),
+    'folder': (2, ['is a folder, not a checkpoint file', 'resumable-train ls']),
+    'missing.pth': (2, ['does not exist']),
+    'notes.pth': (2, ['is a text file, not a PyTorch checkpoint']),
+    'noise.pth': (2, ['neither a zip archive nor a pickle']),
+    'other.pth': (2, ["holds a dictionary (keys 'model', 'epoch') that is neither a fastai checkpoint"]),
+    'cut.pth': (2, ['is truncated']),
+    'list.pth': (2, ['holds a list']),
+}
+
+@pytest.fixture(scope='module')
+def files(runs):
+    "One file of each kind in KINDS"
+    d = runs['tmp']/'kinds'; d.mkdir()
+    models = runs['tmp']/'cut'/'models'
+    rp = runs['tmp']/'stopped.pth'
+    assert torch.load(rp, weights_only=True)['opt']['resume']['iter'] > 0
+    (d/'resume.pth').write_bytes(rp.read_bytes())
+    (d/'finished.pth').write_bytes(sorted(models.glob('autoresume-*.pth'))[-1].read_bytes())
+    ck = torch.load(rp, weights_only=True)
+    torch.save({'model': ck['model'], 'opt': {k:v for k,v in ck['opt'].items() if k != 'resume'}}, d/'stock.pth')
+    torch.save({'a': torch.ones(3)}, d/'tensors.pth')
+    (d/'folder').mkdir()
+    (d/'notes.pth').write_text('not a checkpoint\n')
+    (d/'noise.pth').write_bytes(random.Random(0).randbytes(2000))
+    torch.save({'model': ck['model'], 'epoch': 3}, d/'other.pth')
+    data = rp.read_bytes()
+    (d/'cut.pth').write_bytes(data[:len(data)//2])
+    torch.save([1, 2], d/'list.pth')
+    return d
+
+CHILD = textwrap.dedent('''
+    import contextlib, io, json, sys
+    from resumable_train.cli import main
+    res = {}
+    for args in json.loads(sys.argv[1]):
+        out,err = io.StringIO(),io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try: rc = main(args)
+            except SystemExit as e: rc = e.code
+        res[' '.join(args)] = (rc, out.getvalue(), err.getvalue())
+    print(json.dumps(dict(res=res, fastai=sorted(m for m in sys.modules if m.split('.')[0] == 'fastai'))))
+''')
+
+@pytest.fixture(scope='module')
+def answers(files):
+    "`inspect`, `inspect --json` and `ls` on every kind of file, in one fresh process that must not import fastai"
+    calls = [a for k in KINDS for a in (['inspect', str(files/k)], ['inspect', '--json', str(files/k)])] + [['ls', str(files)], ['--help']]
+    rc,out,err = run([PY, '-c', CHILD, json.dumps(calls)], timeout=120)
+    check_rc((rc, out, err), 'resumable_train.cli.main')
+    return json.loads(out.splitlines()[-1])
+
+def test_no_fastai(answers):
+    "`inspect`, `ls` and `--help` read checkpoints with torch only"
+    assert answers['fastai'] == [], answers['fastai']
+
+@pytest.mark.parametrize('name', list(KINDS))
+def test_inspect_verdict(files, answers, name):
+    "One verdict per file: exit status, the message's words, `--json` consistent with the exit status, errors on stdout only with --json"
+    want,words = KINDS[name]
+    rc,out,err = answers['res'][f"inspect {files/name}"]
+    text = out if want == 0 else err
+    assert rc == want and (err == '' if want == 0 else out == ''), (rc, out, err)
+    for w in words: assert w in text, text
+    assert 'weights_only=False' not in text and 'set to `False`' not in text, text
+    rc,out,err = answers['res'][f"inspect --json {files/name}"]
     info = json.loads(out)
-    assert info['valid'] and info['position'] is None and info['fit_index'] == 0 and info['metrics']['epoch'] == 1
-    data = (models/'autoresume-0002.pth').read_bytes()
-    (models/'autoresume-0004.pth').write_bytes(data[:len(data)//3])
-    rc,out,err = run([CMD, 'ls', str(tmp/'ref')], timeout=60)
-    check_rc((rc, out, err), 'ls')
-    names = [l.split()[-1] for l in out.splitlines()[2:]]
-    assert names[0] == 'autoresume-0004.pth' and 'damaged' in out.splitlines()[2], out
-    rc,out,err = run([CMD, 'inspect', str(models/'autoresume-0004.pth')], timeout=60)
-    assert rc == 2 and out == '' and 'autoresume-0004.pth is truncated' in err, (rc, out, err)
-    rc,out,err = run([CMD, 'inspect', str(tmp/'nothing.pth')], timeout=60)
-    assert rc == 2 and f"{tmp/'nothing.pth'} does not exist" in err, (rc, out, err)
+    assert rc == want and err == '' and info['valid'] == (want == 0), (rc, out, err)
+    if want: assert all(w in info['error'] for w in words), info
+    if name == 'resume.pth': assert info['position']['epoch'] == 1 and 'count from 0' in info['numbering'], info
+
+def test_ls(files, answers):
+    "`ls` gives each file the verdict `inspect` gives it"
+    rc,out,err = answers['res'][f"ls {files}"]
+    assert rc == 0, (rc, out, err)
+    rows = {l.split()[-1]: l for l in out.splitlines()[2:]}
+    for name,(want,_) in KINDS.items():
+        if name.endswith('.pth') and name != 'missing.pth': assert (' valid ' if want == 0 else ' invalid ') in rows[name], out
+
+def test_fast(files):
+    "`resumable-train inspect` takes about the time of `import torch; torch.load(...)`, not the seconds `import fastai` costs"
+    f = str(files/'resume.pth')
+    def secs(cmd):
+        t = time.monotonic(); check_rc(run(cmd, timeout=60), ' '.join(cmd)); return time.monotonic()-t
+    bare = secs([PY, '-c', f"import torch; torch.load({f!r}, weights_only=True)"])
+    cli = secs([CMD, 'inspect', f])
+    print(f"resumable-train inspect {cli:.2f}s, python -c 'import torch; torch.load(...)' {bare:.2f}s")
+    assert cli < 1.5*bare + 0.5, (cli, bare)

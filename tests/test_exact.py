@@ -1,13 +1,14 @@
 """Exact mid-epoch resume (issue 2), in real second processes.
 
 Three processes run every scenario (`exact_script.py`; importing fastai costs seconds, so each runs many small fits):
-1. with `resumable_train`: the uninterrupted reference runs, and the runs that save a resume point with `learn.save` and stop;
-2. with `resumable_train`, a new process: `learn.load` then the same fit call, for every resume point; then the error cases;
+1. with `resumable_train` (a child forked from the test process, see forked.py): the uninterrupted reference runs, and the runs that
+   save a resume point with `learn.save` and stop;
+2. with `resumable_train`, another forked child: `learn.load` then the same fit call, for every resume point; then the error cases;
 3. stock fastai (package not imported), at the same time as 2: the reference runs again (bit-identical to 1), and `learn.load`
    of a file written with `with_iter=True`.
 Every comparison is bitwise (`torch.equal` on every tensor), and the optimizer steps of both halves add up to the uninterrupted count.
 """
-import json, os, random, time
+import json, os, random, subprocess, time
 from pathlib import Path
 import pytest, torch
 from helpers import TESTS, PY, run, start, finish, check_rc, load_result, compare_results, diff_values
@@ -50,7 +51,7 @@ SCENARIOS = [(n, tuple(p)) for n,(c,pts) in CONFIGS.items() for p in pts]
 def _sid(n, p): return f"{n}-e{p[0]}i{p[1]}"
 
 @pytest.fixture(scope='module')
-def results(tmp_path_factory):
+def results(tmp_path_factory, forker):
     "Run the three processes once; return the paths of every result"
     d = tmp_path_factory.mktemp('exact')
     def jobs(name, lst):
@@ -71,14 +72,17 @@ def results(tmp_path_factory):
     stock.append(dict(mode='stockload', name='stockload', cfg=CONFIGS[ERR_CFG][0], ckpt='rp', dir=err_dir, out=out('stockload')))
     times = {}
     t = time.time()
-    check_rc(run([PY, SCRIPT, jobs('first', first)], timeout=150), 'first process (reference + stop runs)')
+    rc,log = forker.run(SCRIPT, jobs('first', first), timeout=150)
+    check_rc((rc, log, ''), 'first process (reference + stop runs)')
     times['first'] = time.time()-t; t = time.time()
     marker = d/'evil_ran'
-    p2 = start([PY, SCRIPT, jobs('second', second)], env=dict(EVIL_MARKER=str(marker)))
-    p3 = start([PY, SCRIPT, jobs('stock', stock), '--stock'])
-    r2,r3 = finish(p2, 150),finish(p3, 150)
+    p3 = start([PY, SCRIPT, jobs('stock', stock), '--stock'])  # stock fastai: a real process that never imported the package
+    p2 = forker.start(SCRIPT, jobs('second', second), env=dict(EVIL_MARKER=str(marker)))
+    try: r2 = (*p2.communicate(timeout=150), )
+    except subprocess.TimeoutExpired: r2 = (f'[forked] killed after 150s timeout', '')
+    r3 = finish(p3, 150)
     times['second+stock'] = time.time()-t
-    check_rc(r2, 'second process (resume runs)'); check_rc(r3, 'stock fastai process')
+    check_rc((p2.returncode, *r2), 'second process (resume runs)'); check_rc(r3, 'stock fastai process')
     print('process times', times)
     return dict(dir=d, out=out, evil_marker=marker, err_ckpt=Path(err_dir)/'models'/'rp.pth')
 

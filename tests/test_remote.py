@@ -191,7 +191,8 @@ def test_sigterm_waits_bounded(forker, s3, ref, tmp_path):
     assert rc == 128 + signal.SIGTERM, text[-3000:]
     stop = [l for l in text.splitlines() if l.startswith('AutoResume: stopped by SIGTERM')]
     assert stop and 'did not finish' not in text, text[-3000:]
-    ep,it = int(stop[0].split()[6].rstrip(',')),int(stop[0].split()[8].rstrip(';'))
+    last = [l for l in text.splitlines() if l.startswith('BATCH ')][-1].split()
+    ep,it = int(last[2]),int(last[3])+1  # the stop comes after the batch that was training when the signal came
     st = as_store(url, **s3.options())
     newest = max((e for e in st.ls() if e.complete), key=lambda e: e.name)
     rec = st.load(newest.name)['opt']['resume']
@@ -208,12 +209,15 @@ def test_cli_ls_inspect(s3, monkeypatch, capsys):
     "`resumable-train ls URL` and `inspect URL` with the credentials from the environment; a wrong key is an error naming the URL"
     import s3fs
     from resumable_train.cli import main
-    from resumable_train.files import make_checkpoint
+    from fastai.test_utils import synth_learner
+    import resumable_train.learner  # noqa: F401 (patches Learner.save)
     url = f's3://{s3.bucket}/cli'
-    FsspecStore(url, **s3.options()).save(make_checkpoint(CK['model'], CK['opt'], dict(epoch=None, fit_index=0)), 'a-0001.pth')
-    s3.client().put_object(Bucket=s3.bucket, Key='cli/a-0002.pth', Body=b'PK')
     for k,v in s3.env.items(): monkeypatch.setenv(k, v)
     s3fs.S3FileSystem.clear_instance_cache()
+    learn = synth_learner()
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    learn.save(f'{url}/a-0001')  # the record of a finished run
+    s3.client().put_object(Bucket=s3.bucket, Key='cli/a-0002.pth', Body=b'PK')
     assert main(['ls', url]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f'{url}:' and len(out) == 4, out

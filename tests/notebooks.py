@@ -1,0 +1,124 @@
+"""Run the notebooks' tests, one process per notebook, and check that the outputs the notebooks keep are current.
+
+    python tests/notebooks.py [--update] [--jobs N] [NOTEBOOK ...]     (default: every notebook in nbs/)
+
+Each notebook runs as `nbdev-test` runs it (its `#| eval: false` and `tst_flags` cells left out), in a process of its own: the notebooks
+patch fastai's `Learner` as they run. Its outputs are then normalised (see `normalise`: dates, temporary folders, timings, memory
+addresses) and compared with the outputs kept in the notebook; a notebook whose outputs differ fails, with a diff. With `--update`, the new
+outputs are written into the notebooks instead (then run `nbdev-clean`): `bash tests/run.sh --update-outputs` does both, and is how the
+outputs are regenerated after a change. The outputs of notebooks in `NOT_CHECKED` are written by `--update` but not compared.
+Progress bars are off (`fastprogress.NO_BAR`): the epoch tables stay, without the bars' timings.
+Each notebook starts with python's, numpy's and torch's random streams seeded (0), with PYTHONHASHSEED=0 and one thread per op, so that
+the numbers it prints are the same in every run on one machine. Nothing is written to disk but the notebooks, and only with `--update`.
+"""
+import argparse, difflib, json, os, re, subprocess, sys, time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Tutorials that kill processes at moments that vary from run to run: their outputs are written by --update, never compared (their own
+# tests check what matters: the digests of interrupted and uninterrupted runs are equal)
+NOT_CHECKED = {'10_tutorial.preemption.ipynb', '11_tutorial.distributed.ipynb'}
+_SUBS = [  # (pattern, replacement): what differs between two runs of the same notebook on the same machine
+    ('█\r', ''),  # fastprogress's console bar probes the terminal with its fill character; a notebook shows an HTML bar instead
+    (r'\d{4}-\d\d-\d\d \d\d:\d\d:\d\d', 'YYYY-MM-DD hh:mm:ss'),
+    (r'(/tmp|/var/folders/[^/\s]+/[^/\s]+/T)/tmp[\w.-]+', '/tmp/TMPDIR'),
+    (r'\bat 0x[0-9a-f]+', 'at 0x...'),
+    (r'\S*/site-packages/', '.../site-packages/'),
+    (r'<td>\d\d:\d\d</td>', '<td>mm:ss</td>'),    # the time column of fastai's epoch table
+    (r'(?m)(\s)\d\d:\d\d(\s*)$', r'\1mm:ss\2'),  # the same table as text
+    (r'\b\d+\.\d+ ?s\b', 'N.NN s'),            # durations printed in seconds
+]
+
+def normalise(text:str)->str:
+    "`text` with what changes from run to run replaced by placeholders"
+    for pat,rep in _SUBS: text = re.sub(pat, rep, text)
+    return text
+
+def _walk(o):
+    "`o` (nested lists and dicts) with `normalise` applied to its strings"
+    if isinstance(o, str): return normalise(o)
+    if isinstance(o, list): return [_walk(v) for v in o]
+    if isinstance(o, dict): return {k:_walk(v) for k,v in o.items()}
+    return o
+
+def _norm_out(o):
+    "A cell output, normalised, as nbdev-clean keeps it"
+    o = _walk(o)
+    o.pop('execution_count', None)
+    if 'metadata' in o: o['metadata'] = {}
+    for k in ('text',):
+        if isinstance(o.get(k), str): o[k] = o[k].splitlines(keepends=True)
+    for k,v in (o.get('data') or {}).items():
+        if isinstance(v, str) and not k.startswith('image/'): o['data'][k] = v.splitlines(keepends=True)
+    if o.get('output_type') == 'execute_result': o['execution_count'] = None
+    return o
+
+def _text(outs)->str:
+    "Outputs as text, for a diff"
+    parts = []
+    for o in outs:
+        if 'text' in o: parts.append(''.join(o['text']))
+        for k,v in (o.get('data') or {}).items():
+            parts.append(f"[{k}]\n" + (''.join(v) if isinstance(v, list) and not k.startswith('image/') else f"<{len(str(v))} chars>"))
+    return '\n'.join(parts)
+
+def run_one(fn:Path, update:bool)->int:
+    "In a process of its own: run notebook `fn`'s tests, then check or update its outputs; returns the exit status"
+    import nbdev.test as T
+    from nbdev.config import get_config
+    import warnings
+    warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated')  # fastai's import, not the notebook's concern
+    import fastprogress.fastprogress
+    fastprogress.fastprogress.NO_BAR = True
+    import random, numpy as np, torch
+    random.seed(0); np.random.seed(0); torch.manual_seed(0)  # a notebook that draws without seeding still prints the same numbers
+    ran = {}
+    T.write_nb = lambda nb, _: ran.update({c['id']: c.get('outputs', []) for c in nb.cells if c.cell_type == 'code'})
+    flags = get_config().tst_flags.split()
+    ok,_ = T.test_nb(fn, skip_flags=flags, save=True)
+    if not ok: return 1
+    nb = json.loads(fn.read_text())
+    if fn.name in NOT_CHECKED and not update: return 0
+    diffs = []
+    for c in nb['cells']:
+        if c['cell_type'] != 'code' or c.get('id') not in ran: continue
+        new = [_norm_out(json.loads(json.dumps(o, default=dict))) for o in ran[c['id']]]
+        old = [_norm_out(o) for o in c.get('outputs', [])]
+        if update: c['outputs'] = new
+        if new != old:
+            diffs.append(f"--- cell {c.get('id')}: {''.join(c['source']).splitlines()[0][:70] if c['source'] else ''}\n" +
+                         ''.join(difflib.unified_diff(_text(old).splitlines(True), _text(new).splitlines(True), 'kept', 'now', n=1)))
+    if update:
+        with open(fn, 'w') as f: json.dump(nb, f, indent=1, ensure_ascii=False); f.write('\n')
+        print(f"{fn}: outputs of {len(diffs)} cells changed")
+        return 0
+    if not diffs: return 0
+    print(f"{fn}: the outputs kept in the notebook are not current ({len(diffs)} cells); regenerate them with "
+          "`bash tests/run.sh --update-outputs`\n" + '\n'.join(diffs)[-6000:])
+    return 1
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('notebooks', nargs='*', type=Path)
+    p.add_argument('--update', action='store_true', help="write the new outputs into the notebooks")
+    p.add_argument('--jobs', type=int, default=2, help="notebooks run at the same time")
+    p.add_argument('--one', action='store_true', help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.one: sys.exit(run_one(a.notebooks[0], a.update))
+    nbs = a.notebooks or sorted((ROOT/'nbs').glob('*.ipynb'))
+    def one(nb):
+        t = time.time()
+        r = subprocess.run([sys.executable, __file__, '--one', str(nb), *(['--update'] if a.update else [])], cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=dict(os.environ, PYTHONHASHSEED='0', OMP_NUM_THREADS='1'))
+        return nb, r.returncode, r.stdout, time.time()-t
+    failed = 0
+    with ThreadPoolExecutor(a.jobs) as ex:
+        for nb,rc,out,secs in ex.map(one, sorted(nbs, key=lambda n: -n.stat().st_size)):  # the longest first
+            print(f"{'ok  ' if rc == 0 else 'FAIL'} {nb} ({secs:.0f}s)", flush=True)
+            if rc or a.update: print(out[-8000:], end='', flush=True)
+            failed += rc != 0
+    sys.exit(1 if failed else 0)
+
+if __name__ == '__main__': main()

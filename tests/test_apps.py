@@ -1,0 +1,56 @@
+"fastai's applications, a plain Dataset with workers and plain PyTorch DataLoaders, killed twice by SIGKILL with AutoResume and rerun: bitwise the uninterrupted run."
+import random
+import pytest, torch
+from forked import Forker
+from helpers import TESTS
+import killrerun as kr
+
+SCRIPT = str(TESTS/'apps_script.py')
+APPS = ('vision', 'tabular', 'collab', 'dataset', 'torchdl')
+EVERY = 3  # apps_script.py's AutoResume(every_iter=3)
+
+@pytest.fixture(scope='module')
+def forker():
+    return Forker(('fastai.basics', 'fastai.callback.all', 'resumable_train', 'fastai.vision.all', 'fastai.tabular.all',
+                   'fastai.collab', 'sklearn.datasets', 'apps_script'))
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+    import apps_script
+    return str(apps_script.digits_folder(tmp_path_factory.mktemp('digits')))
+
+def resume_starts(ref)->set:
+    "The indices in `ref` (the batches of an uninterrupted run) where a rerun can start: after every `EVERY`-th batch of a fit, and at each epoch"
+    starts,n = set(),0
+    for i,(f,e,it) in enumerate(ref):
+        n = n+1 if i and ref[i-1][0] == f else 1
+        if n % EVERY == 0: starts.add(i+1)
+        if i == 0 or ref[i-1][:2] != (f,e): starts.add(i)
+    return starts
+
+@pytest.mark.parametrize('app', APPS)
+def test_kill_and_rerun(forker, data, tmp_path, app):
+    "Killed at two seeded random batches and rerun: same weights, optimizer state and Recorder, resumed at the newest resume point, finished run untouched"
+    args = [app, '--data', data]
+    ref_out = tmp_path/'ref.pth'
+    ref = kr.batches(kr.run_to_end(forker, SCRIPT, [ref_out, *args], cwd=tmp_path))
+    rng = random.Random(app)
+    kills = [rng.randint(EVERY+1, len(ref)//2) for _ in range(2)]  # each killed run saves a resume point
+    out = tmp_path/'out.pth'
+    trained,snaps = kr.kill_and_rerun(forker, SCRIPT, args, tmp_path/'run', out, kills)
+    kr.check_kill_and_rerun(ref, trained, snaps, ref_out, out)
+    starts = resume_starts(ref)
+    for prev,nxt in zip(trained[:-2], trained[1:-1]):
+        last = ref.index(prev[-1])
+        newest = {max(s for s in starts if s <= last+1), max(s for s in starts if s <= last)}  # the save after the last batch may not have finished
+        assert ref.index(nxt[0]) in newest, f"rerun started at {nxt[0]}, after the killed run trained up to {prev[-1]}"
+    assert len(trained[-2]) < len(ref), "the killed runs saved no resume point: nothing was resumed"
+    assert torch.load(out, weights_only=True)['steps'] == 0, "the rerun after completion took optimizer steps"
+
+@pytest.mark.parametrize('app', ('tabular', 'collab'))
+def test_same_as_stock(forker, data, tmp_path, app):
+    "Without DataLoader workers, AutoResume changes no bit of an uninterrupted run"
+    a,b = tmp_path/'a.pth',tmp_path/'b.pth'
+    kr.run_to_end(forker, SCRIPT, [a, app, '--data', data], cwd=tmp_path)
+    kr.run_to_end(forker, SCRIPT, [b, app, '--data', data, '--no-resume'], cwd=tmp_path)
+    assert not kr.compare(a, b)

@@ -1,0 +1,26 @@
+"Importing the package changes nothing in fastai for a run that does not use it (a fresh interpreter: the test process has imported fastai)."
+import json
+from helpers import PY, run, check_rc
+
+CHECK = '''
+import json, sys
+import fastai.basics
+from fastai.callback.core import defaults
+before = [c.__name__ for c in defaults.callbacks]
+import resumable_train, resumable_train.all
+after = [c.__name__ for c in defaults.callbacks]
+imported = sorted(m for m in ('fastai.callback.progress', 'fastai.callback.schedule', 'fastai.callback.tracker') if m in sys.modules)
+from fastai.learner import Learner
+import fastai.callback.schedule  # the user's own import: fastai's default callbacks as without the package, and fit_one_cycle wrapped
+stock = [c.__name__ for c in defaults.callbacks]
+print(json.dumps(dict(before=before, after=after, imported=imported, stock=stock, wrapped=hasattr(Learner.fit_one_cycle, '_fastai'))))
+'''
+
+def test_import_changes_nothing():
+    "No fastai callback module imported, `defaults.callbacks` unchanged; fastai's schedules still get `start_epoch`/`start_iter` once imported"
+    res = run([PY, '-c', CHECK], timeout=120)
+    check_rc(res, 'import check')
+    got = json.loads(res[1].strip().splitlines()[-1])
+    assert got['after'] == got['before'], got
+    assert got['imported'] == [], got
+    assert 'ProgressCallback' in got['stock'] and got['wrapped'], got

@@ -1,0 +1,47 @@
+"""Kill text training at seeded batches and rerun it: a language model (AWD-LSTM hidden state, `LMDataLoader` order), a classifier trained
+with ULMFiT's gradual unfreezing and with `fine_tune` (`SortedDL`): each ends bitwise where the uninterrupted run ends."""
+import random
+import pytest
+from forked import Forker
+from helpers import TESTS
+from killrerun import run_to_end, batches, compare, kill_and_rerun, check_kill_and_rerun
+
+SCRIPT = str(TESTS/'text_script.py')
+TASKS = ('lm', 'ulmfit', 'fine_tune')
+
+@pytest.fixture(scope='module')
+def forker(): return Forker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.text.all', 'resumable_train'))
+
+@pytest.fixture(scope='module')
+def refs(forker, tmp_path_factory):
+    "Each task run uninterrupted, with `AutoResume` and without it (which must not change a bit): its batches and its result"
+    d,res = tmp_path_factory.mktemp('ref'),{}
+    for task in TASKS:
+        lines = run_to_end(forker, SCRIPT, [d/f'{task}.pth', '--task', task], cwd=d/task if (d/task).mkdir() is None else None)
+        run_to_end(forker, SCRIPT, [d/f'{task}-plain.pth', '--task', task, '--no-resume'], cwd=d/task)
+        diffs = compare(d/f'{task}-plain.pth', d/f'{task}.pth')
+        assert not diffs, f"{task}: AutoResume changed the uninterrupted run: {diffs[:5]}"
+        res[task] = batches(lines),d/f'{task}.pth'
+    return res
+
+def _epoch_end(ref, b): return b == ref[-1] or ref[ref.index(b)+1][:2] != b[:2]
+
+def _kills(ref, task):
+    "Two seeded kill points: the first in the first fit call (epoch, for the language model), the second in a later one"
+    rng = random.Random(TASKS.index(task))
+    first = sum(b[:2] == (0, 0) if task == 'lm' else b[0] == 0 for b in ref)
+    k1 = rng.randrange(2, first)
+    g2 = rng.randrange(first + 4, len(ref) - 2)  # a rerun starts at most 3 batches before the last kill (every_iter=3)
+    return [k1, g2 - k1 + 1]
+
+@pytest.mark.parametrize('task', TASKS)
+def test_kill_twice_and_rerun(forker, refs, task, tmp_path):
+    "SIGKILL twice at seeded batches, rerun to the end: bitwise the uninterrupted run; a rerun after completion trains nothing, writes nothing"
+    ref_batches,ref_out = refs[task]
+    kills = _kills(ref_batches, task)
+    trained,snaps = kill_and_rerun(forker, SCRIPT, ['--task', task], tmp_path/'run', tmp_path/'out.pth', kills)
+    check_kill_and_rerun(ref_batches, trained, snaps, ref_out, tmp_path/'out.pth')
+    stops = [t[-1] for t in trained[:len(kills)]]
+    assert any(not _epoch_end(ref_batches, b) for b in stops), f"no kill inside an epoch: {stops}"
+    if task != 'lm': assert stops[-1][0] >= 1, f"the second kill was not in a later fit call: {stops}"
+    else: assert stops[-1][1] >= 1, f"the second kill was not in a later epoch: {stops}"

@@ -1,0 +1,48 @@
+"A text training script for the kill-and-rerun tests: a language model, or a text classifier trained ULMFiT-style, on a synthetic corpus."
+import argparse, random
+import numpy as np, pandas as pd, torch
+from fastai.text.all import *
+from resumable_train.autoresume import AutoResume
+from killrerun import Report, save_result
+
+p = argparse.ArgumentParser()
+p.add_argument('out')
+p.add_argument('--task', choices=['lm', 'ulmfit', 'fine_tune'], default='lm')
+p.add_argument('--no-resume', action='store_true', help='no AutoResume at all')
+a = p.parse_args()
+
+def corpus(n=160, seed=0):
+    "`n` short documents over 12 words; the label says whether the first word is one of the first six"
+    rs = np.random.RandomState(seed)
+    words = [f'w{i}' for i in range(12)]
+    docs = [list(rs.choice(words, rs.randint(4, 20))) for _ in range(n)]
+    return pd.DataFrame({'text': [' '.join(d) for d in docs], 'label': [int(d[0] in words[:6]) for d in docs]})
+
+class Draws(Callback):
+    "Draw from python's and numpy's global streams in every training batch, as a callback of a user's might"
+    def after_batch(self):
+        if self.training: random.random(); np.random.rand()
+
+torch.set_num_threads(1)
+set_seed(42, reproducible=True)
+df,tiny = corpus(),dict(emb_sz=16, n_hid=32, n_layers=2)
+cbs = [Report(), Draws(), CSVLogger(append=True)] + ([] if a.no_resume else [AutoResume(every_iter=3, verbose=False)])
+if a.task == 'lm':
+    dls = TextDataLoaders.from_df(df, text_col='text', is_lm=True, valid_pct=0.2, seed=42, bs=8, seq_len=10, tok_tfm=BaseTokenizer())
+    learn = language_model_learner(dls, AWD_LSTM, pretrained=False, config=dict(awd_lstm_lm_config, **tiny), metrics=accuracy, cbs=cbs, path='.')
+else:
+    dls = TextDataLoaders.from_df(df, text_col='text', label_col='label', valid_pct=0.2, seed=42, bs=8, tok_tfm=BaseTokenizer())
+    learn = text_classifier_learner(dls, AWD_LSTM, pretrained=False, seq_len=8, config=dict(awd_lstm_clas_config, **tiny),
+                                    metrics=accuracy, cbs=cbs, path='.')
+with learn.no_bar():
+    if a.task == 'lm': learn.fit_one_cycle(3, 1e-2)
+    elif a.task == 'fine_tune': learn.fine_tune(2, 1e-2, freeze_epochs=1)
+    else:  # ULMFiT's gradual unfreezing
+        learn.freeze()
+        learn.fit_one_cycle(1, 2e-2)
+        learn.freeze_to(-2)
+        learn.fit_one_cycle(1, slice(1e-2/(2.6**4), 1e-2))
+        learn.unfreeze()
+        learn.fit_one_cycle(2, slice(1e-3/(2.6**4), 1e-3))
+save_result(learn, a.out)
+print('DONE', flush=True)
