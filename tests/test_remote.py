@@ -1,10 +1,14 @@
 """Resume points on a real S3-compatible server (moto's, on 127.0.0.1, started and stopped here), through s3fs.
 
-The store alone: a round trip, an interrupted upload, damaged objects, wrong credentials, an unreachable server."""
+The store alone: a round trip, an interrupted upload, damaged objects, wrong credentials, an unreachable server. Then training scripts
+with `AutoResume(dir='s3://...')` in forked processes: killed, damaged, cut off from the server, refused; and the command on a URL."""
+import random, signal, subprocess, time
 import pytest, torch
+import s3fs  # noqa: F401 (imported once here, not in each forked run; `forker` is conftest's)
 from resumable_train.files import CheckpointError
 from resumable_train.store import FsspecStore, StoreError, MANIFEST, as_store
-from s3server import S3Server
+from killrerun import batches, compare, kill_and_rerun, check_kill_and_rerun, run_to_end
+from s3server import S3Server, TESTS
 
 @pytest.fixture(scope='module')
 def s3():
@@ -59,15 +63,7 @@ def test_unreachable(s3):
     assert torch.equal(st.load('a-0001.pth')['model']['w'], CK['model']['w'])
 
 # Process level: a training script with `AutoResume(dir='s3://...')`, killed, damaged, cut off, rerun.
-import random, signal, subprocess, time
-from forked import Forker
-from killrerun import batches, compare, kill_and_rerun, check_kill_and_rerun, run_to_end
-from s3server import TESTS
-
 SCRIPT = TESTS/'remote_script.py'
-
-@pytest.fixture(scope='module')
-def forker(): return Forker(('fastai.basics', 'fastai.callback.all', 'resumable_train', 's3fs'))
 
 @pytest.fixture(scope='module')
 def ref(forker, s3, tmp_path_factory):
