@@ -30,7 +30,7 @@ def _unpack(o):
 
 
 # %% ../nbs/00a_files.ipynb #78e8d2b8
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: every stream at the epoch's start, PyTorch generators, DataLoader and module states, fit plans, the ledger
 
 def make_checkpoint(model_sd:dict, opt_sd:dict, resume:dict): # `resume` is a resume point, or a record of a finished run
     "The dictionary saved to disk: stock fastai's `{'model','opt'}` with the resume point inside `opt`"
