@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmarks of resumable_train: fast-forward, checkpoint cost, AutoResume overhead, background-write stalls, memory.
+"""Benchmarks of resumable_train: fast-forward, checkpoint cost, AutoResume overhead, background-write stalls, memory, uploads to S3.
 
     python benchmarks/run.py            # all, full size (a few minutes); tables printed and kept in benchmarks/results/
     python benchmarks/run.py --quick    # smoke run, seconds
@@ -9,7 +9,7 @@ import argparse, json, sys, time
 from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # these modules, then this checkout's package
 
-NAMES = ('fastforward', 'checkpoint', 'overhead', 'stall', 'memory')
+NAMES = ('fastforward', 'checkpoint', 'overhead', 'stall', 'memory', 'upload')
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -26,10 +26,10 @@ def main(argv=None):
     import memory
     if a.memory_child: return print(json.dumps(memory.measure(*a.memory_child, device=a.device)))
     from common import RESULTS, machine_info
-    import fastforward, checkpoint, overhead, stall
+    import fastforward, checkpoint, overhead, stall, upload
     out = Path(a.out) if a.out else RESULTS/'quick' if a.quick else RESULTS
     info = machine_info(a.quick, a.device)
-    mods = dict(fastforward=fastforward, checkpoint=checkpoint, overhead=overhead, stall=stall, memory=memory)
+    mods = dict(fastforward=fastforward, checkpoint=checkpoint, overhead=overhead, stall=stall, memory=memory, upload=upload)
     for n in a.only:
         t0 = time.perf_counter()
         kw = dict(device=a.device) if n != 'fastforward' else {}

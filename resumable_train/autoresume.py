@@ -14,7 +14,9 @@ from fastcore.foundation import L
 from fastprogress.fastprogress import ConsoleProgressBar, printing
 from fastai.torch_core import rank_distrib
 from fastai.callback.core import Callback, CancelFitException
+from functools import partial
 from .files import *
+from .store import *
 from .state import *
 from .learner import *
 from .learner import _position, _restore_streams, _load_through, _read_on_rank0, _group_device, _bypassed, _plan_changes, fit_plan
@@ -23,54 +25,64 @@ from .learner import _position, _restore_streams, _load_through, _read_on_rank0,
 __all__ = ['list_checkpoints', 'newest_valid', 'agree', 'AutoResume']
 
 # %% ../nbs/02_autoresume.ipynb #4e9f2df9
-def _ckpt_num(p, fname):
-    m = re.fullmatch(rf'{re.escape(fname)}-(\d+)\.pth', p.name)
+def _ckpt_num(name, fname):
+    m = re.fullmatch(rf'{re.escape(fname)}-(\d+)\.pth', name)
     return int(m.group(1)) if m else None
 
-def list_checkpoints(path, # the folder, usually `learn.path/learn.model_dir`
+def _name(file)->str: return str(file).rpartition('/')[2]
+
+def _entries(store, fname)->list:
+    "The `Entry`s of `store` that are resume points of `AutoResume(fname)`, newest first"
+    return sorted((e for e in store.ls() if _ckpt_num(e.name, fname) is not None), key=lambda e: -_ckpt_num(e.name, fname))
+
+def list_checkpoints(path, # the folder (usually `learn.path/learn.model_dir`), an fsspec URL, or a store
                      fname:str='autoresume', # the name `AutoResume` was given
                     )->L:
-    "The resume points `AutoResume(fname)` wrote in `path`, newest first"
-    path = Path(path)
-    if not path.is_dir(): return L()
-    return L(sorted((p for p in path.iterdir() if _ckpt_num(p, fname) is not None), key=lambda p: -_ckpt_num(p, fname)))
+    "The resume points `AutoResume(fname)` wrote in `path`, newest first (paths in a folder, URLs in a remote store)"
+    store = as_store(path)
+    return L(store.where(e.name) for e in _entries(store, fname))
 
 def newest_valid(path, fname:str='autoresume'):
     "The newest resume point in `path` that loads, as `(file, state)`, warning about each damaged one passed over; `(None, None)` if none"
-    for f in list_checkpoints(path, fname):
-        try: state = read_checkpoint(f, mmap=True)  # the scan looks at the record: the weights stay on disk
-        except CheckpointError as e:
-            warnings.warn(f"{e}; skipping it")
+    store = as_store(path)
+    for e in _entries(store, fname):
+        try: state = store.load(e.name, mmap=True)  # the scan looks at the record: the weights stay on disk
+        except CheckpointError as err:
+            warnings.warn(f"{err}; skipping it")
             continue
-        if resume_record(state) is None: warnings.warn(f"{f} holds no resume point; skipping it")
-        else: return f, state
+        if resume_record(state) is None: warnings.warn(f"{store.where(e.name)} holds no resume point; skipping it")
+        else: return store.where(e.name), state
     return None, None
 
 # %% ../nbs/02_autoresume.ipynb #91601401
 class _Writer:
-    "Write checkpoints one at a time, in the caller's thread or in a background thread"
+    "Run writes (`save()`, then `then()`) one at a time, in the caller's thread or in a background thread"
     def __init__(self, background=False): self.background,self.thread,self.error = background,None,None
 
-    def __call__(self, ck, file, then=None):
+    def __call__(self, save, then=None, background=None): # `background` overrides the writer's own for this write
         self.wait()
-        if not self.background: return self._write(ck, file, then)
-        self.thread = threading.Thread(target=self._write, args=(ck, file, then), daemon=True)
+        if not (self.background if background is None else background): return self._write(save, then)
+        self.thread = threading.Thread(target=self._write, args=(save, then, True), daemon=True)
         self.thread.start()
 
-    def _write(self, ck, file, then):
+    def _write(self, save, then, background=False):
         try:
-            write_checkpoint(ck, file)
+            save()
             if then: then()
         except BaseException as e:
-            if not self.background: raise
+            if not background: raise
             self.error = e
 
-    def wait(self):
-        "Finish the write in flight, raising its error"
-        if self.thread is not None: self.thread.join(); self.thread = None
+    def wait(self, timeout:float|None=None)->bool:
+        "Finish the write in flight, raising its error; `False` if it is still running after `timeout` seconds"
+        if self.thread is not None:
+            self.thread.join(timeout)
+            if self.thread.is_alive(): return False
+            self.thread = None
         if self.error is not None:
             e,self.error = self.error,None
             raise e
+        return True
 
 # %% ../nbs/02_autoresume.ipynb #6b3b302d
 def _into(new, buf=None):
@@ -136,7 +148,7 @@ _SIGNALS = ('SIGTERM', 'SIGINT', 'SIGUSR1')
 class AutoResume(Callback):
     "Write atomic, durable resume points while training; continue from the newest valid one when the script runs again"
     order = 95
-    def __init__(self, fname:str='autoresume', # files are `{fname}-0001.pth`, ... in `learn.path/learn.model_dir`
+    def __init__(self, fname:str='autoresume', # files are `{fname}-0001.pth`, ... in `dir`
                  every_iter:int|None=None, # write a resume point every `every_iter` training batches
                  every_secs:float|None=None, # write a resume point when `every_secs` seconds have passed since the last one
                  keep:int=2, # how many resume points to keep on disk (besides the end state of each completed fit call)
@@ -146,15 +158,22 @@ class AutoResume(Callback):
                  strict_hypers:bool=False, # refuse to continue a fit call asked for other hyperparameters (by default a warning names them)
                  wait:float=0, # seconds to wait for another process training this run (by default refuse at once)
                  elastic:bool=False, # continue a resume point written with another number of processes (see `DistributedTrainer`)
+                 dir=None, # a folder, an fsspec URL (`s3://bucket/run1`) or a store (`as_store`); `learn.path/learn.model_dir` by default
+                 stop_wait:float=30, # seconds a stop by a signal waits for the resume point being written
                 ):
         if not (isinstance(keep, int) and keep >= 1):
             raise ValueError(f"AutoResume(keep={keep!r}): keep at least 1 resume point; with none, a stopped run could not continue")
-        store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic')
+        store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,stop_wait')
         self.done,self.fits,self.ends,self.unfinished = 0,[],[],False
         self.writer,self.host_copy,self.fitting = _Writer(background),None,False
 
     @property
-    def folder(self): return self.learn.path/self.learn.model_dir
+    def store(self):
+        "Where the resume points live"
+        return as_store(self.learn.path/self.learn.model_dir if self.dir is None else self.dir)
+
+    @property
+    def folder(self): return getattr(self.store, 'folder', self.store.url)  # a local folder, or a URL
 
     def _say(self, msg, own_line=False):
         if not self.verbose or rank_distrib(): return
@@ -173,6 +192,10 @@ def _describe(rec):
            f"end of epoch {rec.get('last_epoch', s['n_epoch']-1)+1}/{s['n_epoch']}")
     return f"fit call {i+1}, {pos}" if len(rec['fits']) > 1 else pos
 
+def _stem(file):
+    "`file` without `.pth`, as `learn.load` and `learn.save` take it"
+    return file.absolute().with_suffix('') if isinstance(file, Path) else file.removesuffix('.pth')
+
 def _refusal(folder, fname, what):
     return CheckpointError(f"{what}. To start fresh, delete {folder}/{fname}-*.pth or give AutoResume another fname")
 
@@ -182,7 +205,7 @@ def _where(file, state, fname)->list:
     "Where a resume point is in the run, as numbers that order the resume points of one run (and the file's number)"
     if file is None: return [0, 0, 0, 0, 0]
     rec = resume_record(state)
-    return [1, rec.get('fit_index') or 0, rec.get('train_iter') or 0, rec.get('epoch') is None, _ckpt_num(file, fname)]
+    return [1, rec.get('fit_index') or 0, rec.get('train_iter') or 0, rec.get('epoch') is None, _ckpt_num(_name(file), fname)]
 
 @patch
 def _scan(self:AutoResume):
@@ -190,8 +213,8 @@ def _scan(self:AutoResume):
     file,state,err,group = None,None,None,dist.is_available() and dist.is_initialized()
     if not group or int(os.environ.get('LOCAL_RANK', dist.get_rank())) == 0:   # one reader per node, in the node's own folder
         try:
-            if not rank_distrib(): _lock_run(self.folder, self.fname, self.wait)
-            file,state = newest_valid(self.folder, self.fname)
+            if not rank_distrib() and isinstance(self.store, LocalStore): _lock_run(self.folder, self.fname, self.wait)
+            file,state = newest_valid(self.store, self.fname)
         except RuntimeError as e: err = str(e)
     self.src = 0
     if group:
@@ -204,10 +227,10 @@ def _scan(self:AutoResume):
             dist.all_gather(wheres, mine)
             wheres = [w.tolist() for w in wheres]
             self.src = max(range(len(wheres)), key=lambda r: (wheres[r][:4], -r))
-            file = Path(self.folder)/f'{self.fname}-{wheres[self.src][4]:04d}.pth' if wheres[self.src][0] else None
+            file = self.store.where(f'{self.fname}-{wheres[self.src][4]:04d}.pth') if wheres[self.src][0] else None
             state = None if file is None else share_checkpoint(state if dist.get_rank() == self.src else None, self.src)
     if err: raise RuntimeError(err)
-    self.next_num = max([_ckpt_num(p, self.fname) for p in list_checkpoints(self.folder, self.fname)] + [0]) + 1
+    self.next_num = max([_ckpt_num(e.name, self.fname) for e in _entries(self.store, self.fname)] + [0]) + 1
     return file, (None if file is None else resume_record(state)), state
 
 @patch
@@ -228,11 +251,11 @@ def _load_end(self:AutoResume, file, plan, i):
     if rec is None or rec.get('fit_index') != i or rec.get('epoch') is not None:
         raise _refusal(self.folder, self.fname, f"AutoResume: {file} is named as the end state of fit call {i+1} but does not hold it")
     self._hypers_changed(rec.get('plan'), plan, file, "its result is used as it is")
-    _load_through(self.learn, file.absolute().with_suffix(''), with_iter=False, state=state, elastic=self.elastic)
+    _load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)
     _restore_streams(self.learn, rec)
     self.learn.train_iter,self.learn.pct_train = rec['train_iter'],rec['pct_train']
     if rec.get('last_epoch') is not None: self.learn.epoch = rec['last_epoch']
-    self.ends = list(rec.get('ends', [])[:i]) + [file.name]  # records of 0.1.0 have no ledger
+    self.ends = list(rec.get('ends', [])[:i]) + [_name(file)]  # records of 0.1.0 have no ledger
     return rec
 
 @patch
@@ -247,25 +270,25 @@ def _decide(self:AutoResume, plan):
     if file is None:
         self.ends = self.ends[:i]
         return
-    if rec.get('fit_index') is None: raise _different_run(self.folder, self.fname, f"{file.name} was not written by AutoResume")
+    if rec.get('fit_index') is None: raise _different_run(self.folder, self.fname, f"{_name(file)} was not written by AutoResume")
     f,end,fits,ends = rec['fit_index'],rec['epoch'] is None,rec['fits'],rec.get('ends', [])
     diff = [] if i >= len(fits) else [k for k,v in now.items() if fits[i].get(k) != v and not (self.elastic and k in _WORLD_KEYS)]
     if diff:
         other = '; it ran on another number of processes: AutoResume(elastic=True) continues it on this one' if 'world_size' in diff else ''
         raise _different_run(self.folder, self.fname, '; '.join(f"fit call {i+1} {k}: saved {fits[i].get(k)}, now {now[k]}" for k in diff) + other)
     if f > i or (f == i and end):
-        name = file.name if f == i else ends[i] if i < len(ends) else None
+        name = _name(file) if f == i else ends[i] if i < len(ends) else None
         if name is None: raise _refusal(self.folder, self.fname, f"AutoResume: fit call {i+1} finished in an earlier run, but {file} does not name the file of its end state")
-        end_rec = self._load_end(self.folder/name, plan, i)
+        end_rec = self._load_end(self.store.where(name), plan, i)
         if f == i: self._say(f"AutoResume: this run already finished at {file} ({_describe(end_rec)}); nothing to train. "
                              f"Delete {self.folder}/{self.fname}-*.pth to train again.")
-        else: self._say(f"AutoResume: fit call {i+1} finished in an earlier run; its end state is loaded from {self.folder/name}")
+        else: self._say(f"AutoResume: fit call {i+1} finished in an earlier run; its end state is loaded from {self.store.where(name)}")
         self.skipped = True
         raise CancelFitException()
     if f == i:
         self._hypers_changed(rec.get('plan'), plan, file, "continuing anyway, so the result matches neither run")
         self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
-        try: _load_through(self.learn, file.absolute().with_suffix(''), strict_hypers=None, state=state, elastic=self.elastic)
+        try: _load_through(self.learn, _stem(file), strict_hypers=None, state=state, elastic=self.elastic)
         except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
         self.ends = list(ends[:i])
         return
@@ -276,25 +299,29 @@ def _decide(self:AutoResume, plan):
 
 # %% ../nbs/02_autoresume.ipynb #a43a4e2d
 @patch
-def _save(self:AutoResume, end:bool=False): # the end of the fit call, which the ledger keeps
+def _save(self:AutoResume, end:bool=False, # the end of the fit call, which the ledger keeps
+          stopping:float|None=None): # when a signal stops the run: the seconds left to wait for the write in flight
     "Write a resume point at this moment of training"
-    file = self.folder/f'{self.fname}-{self.next_num:04d}.pth'
+    name = f'{self.fname}-{self.next_num:04d}.pth'
     self.next_num += 1
-    ends = self.ends[:self.fit_index] + ([file.name] if end else [])
+    ends = self.ends[:self.fit_index] + ([name] if end else [])
     extra = dict(fit_index=self.fit_index, fits=self.fits, ends=ends, **({'last_epoch': self.epoch} if end else {}))
     if end: self.ends = ends
-    if rank_distrib(): return self.learn.save(file.absolute().with_suffix(''), extra=extra)
-    self.folder.mkdir(parents=True, exist_ok=True)
-    self.writer.wait()  # before copying: one copy of the state at a time
+    if rank_distrib(): return self.learn.save(_stem(self.store.where(name)), extra=extra)
+    if not self.writer.wait(stopping): return  # before copying: one copy of the state at a time
     ck = checkpoint(self.learn, extra=extra)
     if self.background: ck = self.host_copy = _into(ck, self.host_copy)
-    self.writer(ck, file, then=self._prune)
+    self.writer(partial(self.store.save, ck, name), then=self._prune, background=self.background or stopping is not None)
     self.last_save = time.monotonic()
 
 @patch
 def _prune(self:AutoResume):
-    for p in list_checkpoints(self.folder, self.fname)[self.keep:]:
-        if p.name not in self.ends: p.unlink(missing_ok=True)
+    entries = _entries(self.store, self.fname)
+    keep = [e.name for e in entries if e.complete][:self.keep]
+    for e in entries:
+        if e.name in keep or e.name in self.ends: continue
+        try: self.store.remove(e.name)
+        except OSError as err: warnings.warn(f"AutoResume could not remove an old resume point: {err}; the next resume point tries again")
 
 # %% ../nbs/02_autoresume.ipynb #4e0a3870
 _ONE_SIGNAL = 0.5  # seconds within which the same signal twice counts once
@@ -348,19 +375,27 @@ def after_batch(self:AutoResume):
     if not (self.fitting and self.training): return
     due = bool(self.every_iter and self.train_iter % self.every_iter == 0)
     if self.every_secs: due |= bool(agree(time.monotonic() - self.last_save >= self.every_secs))
-    stop = agree(self.signum)
-    if due or stop: self._save()
-    if stop: self._stop(stop)
+    if stop := agree(self.signum): self._stop(stop)
+    elif due: self._save()
 
 @patch
 def after_epoch(self:AutoResume):
     if not self.fitting: return
-    self._save()
     if stop := agree(self.signum): self._stop(stop)
+    else: self._save()
 
 @patch
 def _stop(self:AutoResume, signum):
-    self.writer.wait()
+    "Write a resume point, waiting at most `stop_wait` seconds for the writes, and stop"
+    deadline = time.monotonic() + self.stop_wait
+    try:
+        self._save(stopping=self.stop_wait)
+        done = self.writer.wait(max(0., deadline - time.monotonic()))
+    except Exception as e:
+        warnings.warn(f"AutoResume: {e}; stopping without this resume point (the newest complete one stands)")
+        done = True
+    if not done: self._say(f"AutoResume: the resume point being written to {self.store.url} did not finish within {self.stop_wait} s; "
+                           "stopping without it (the newest complete one stands)", own_line=True)
     self.stopped,self.signum = True,signum
     ep,it = _position(self.learn)
     self._say(f"AutoResume: stopped by {signal.Signals(signum).name} at {position_text(ep, it, self.n_epoch, len(self.dls.train))}; "

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from .files import read_checkpoint, resume_record, CheckpointError, _unpack
+from .store import as_store, is_url, locate, LocalStore, StoreError
 
 # %% auto #0
 __all__ = ['digits_learner', 'weights_digest', 'checkpoint_info', 'main']
@@ -73,15 +74,15 @@ def _world(rec)->dict:
 
 def checkpoint_info(file)->dict:
     "What the checkpoint `file` holds, as plain values; raises `CheckpointError` if it is damaged or not a checkpoint"
-    file = Path(file)
-    state = read_checkpoint(file)
+    store,name = locate(file)
+    state = store.load(name)
     kind = _kind(state)
     if kind is None: raise CheckpointError(f"{file} holds a dictionary (keys {_keys(state)}) that is neither a fastai checkpoint (whose keys are "
                                            "'model' and 'opt') nor model weights (tensors only); `learn.load` cannot use it")
-    st = file.stat()
+    st = store.entry(name)
     weights = state if kind == 'weights' else state['model']
     tensors = [v for v in weights.values() if isinstance(v, torch.Tensor)] if isinstance(weights, dict) else []
-    info = dict(file=str(file), size=st.st_size, modified=st.st_mtime, kind=kind, with_opt=kind != 'weights',
+    info = dict(file=str(file), size=st.size, modified=st.modified, kind=kind, with_opt=kind != 'weights',
                 n_tensors=len(tensors), n_values=sum(t.numel() for t in tensors), keys=list(weights)[:3] if kind == 'weights' else None)
     rec = resume_record(state)
     if rec is None: return dict(info, resume=False)
@@ -161,9 +162,10 @@ _NUMBERING = "position.epoch and position.iter count from 0 (iter: the next batc
 
 def _inspect(a)->int:
     try:
-        if a.path.is_dir(): raise CheckpointError(f"{a.path} is a folder, not a checkpoint file; `resumable-train ls {a.path}` lists the checkpoints in it")
+        if not is_url(a.path) and Path(a.path).is_dir():
+            raise CheckpointError(f"{a.path} is a folder, not a checkpoint file; `resumable-train ls {a.path}` lists the checkpoints in it")
         info = checkpoint_info(a.path)
-    except CheckpointError as e:
+    except (CheckpointError, StoreError) as e:
         if not a.json: return _err(e)
         print(json.dumps(dict(file=str(a.path), valid=False, error=str(e)), indent=1))
         return 2
@@ -175,21 +177,29 @@ def _folder(d):
     "`d`, or `d/models` when only that holds checkpoints (the folder of a `Learner`'s `path`)"
     return d/'models' if not any(d.glob('*.pth')) and (d/'models').is_dir() else d
 
+def _store(where):
+    "The store `ls` lists: a URL's, or a local folder's (see `_folder`)"
+    if is_url(where): return as_store(where)
+    d = Path(where)
+    if not d.is_dir(): raise StoreError(f"{d} is not a folder" if d.exists() else f"{d} does not exist")
+    return LocalStore(_folder(d))
+
 def _ls(a)->int:
-    d = Path(a.dir)
-    if not d.is_dir(): return _err(f"{d} is not a folder" if d.exists() else f"{d} does not exist")
-    d = _folder(d)
-    files = sorted(d.glob('*.pth'), key=lambda f: (f.stat().st_mtime, f.name), reverse=True)
-    if not files:
-        print(f"no checkpoints (*.pth) in {d}")
+    try:
+        store = _store(a.dir)
+        entries = sorted((e for e in store.ls() if e.name.endswith('.pth')), key=lambda e: (e.modified or 0, e.name), reverse=True)
+    except StoreError as e: return _err(e)
+    if not entries:
+        print(f"no checkpoints (*.pth) in {store.url}")
         return 0
     rows = [('modified', 'size', 'status', 'position', 'file')]
-    for f in files:
+    for e in entries:
+        f = store.where(e.name)
         try: info = checkpoint_info(f); status,where = 'valid',_where(info)
-        except CheckpointError as e: status,where = 'invalid',str(e).removeprefix(str(f)).strip()
-        rows.append((_when(f.stat().st_mtime), _bytes(f.stat().st_size), status, where, f.name))
+        except CheckpointError as err: status,where = 'invalid' if e.complete else 'incomplete',str(err).removeprefix(str(f)).strip()
+        rows.append((_when(e.modified or 0), _bytes(e.size), status, where, e.name))
     ws = [max(len(r[i]) for r in rows) for i in range(4)]
-    print(f"{d}:")
+    print(f"{store.url}:")
     for r in rows: print('  '.join(f"{c:<{w}}" for c,w in zip(r, ws)) + '  ' + r[4])
     return 0
 
@@ -221,11 +231,11 @@ def _parser():
     p = argparse.ArgumentParser(prog='resumable-train', description="Exact resume for fastai training: look inside checkpoints, run the demo")
     sub = p.add_subparsers(dest='cmd', required=True, metavar='{inspect,ls,demo}')
     s = sub.add_parser('inspect', help="what a checkpoint holds")
-    s.add_argument('path', type=Path, help="a .pth file")
+    s.add_argument('path', help="a .pth file, or the URL of one (s3://bucket/run1/autoresume-0003.pth)")
     s.add_argument('--json', action='store_true', help="print JSON, for scripts")
     s.set_defaults(f=_inspect)
     s = sub.add_parser('ls', help="the checkpoints in a folder, newest first")
-    s.add_argument('dir', type=Path, help="a folder of .pth files (or a Learner's path, whose models/ holds them)")
+    s.add_argument('dir', help="a folder of .pth files (or a Learner's path, whose models/ holds them), or a URL (s3://bucket/run1)")
     s.set_defaults(f=_ls)
     s = sub.add_parser('demo', help="train a small CNN on digits with AutoResume; Ctrl-C it, rerun it, it resumes")
     s.add_argument('--dir', type=Path, default=Path('resumable-train-demo'), help="where the run keeps its checkpoints (default: %(default)s)")

@@ -269,25 +269,27 @@ _stock_safe = [L, np.dtype, *[getattr(np.dtypes, n) for n in np.dtypes.__all__]]
 
 def read_checkpoint(file, map_location='cpu',
                     mmap:bool=False, # map the tensors from the file instead of reading them into memory (enough to look at the record)
+                    name=None, # what messages call the file (a remote store's URL for a downloaded copy); `file` by default
                    )->dict:
     "Load `file` with `weights_only=True`, raising `CheckpointError` that says what is wrong with it"
     file = Path(file)
-    if file.is_dir(): raise CheckpointError(f"{file} is a folder, not a checkpoint file")
-    if not file.is_file(): raise CheckpointError(f"{file} does not exist")
-    if (why := _compressed(file)) is not None: raise CheckpointError(f"{file} {why}")
+    name = file if name is None else name
+    if file.is_dir(): raise CheckpointError(f"{name} is a folder, not a checkpoint file")
+    if not file.is_file(): raise CheckpointError(f"{name} does not exist")
+    if (why := _compressed(file)) is not None: raise CheckpointError(f"{name} {why}")
     try:
         with torch.serialization.safe_globals(_stock_safe), warnings.catch_warnings():
             warnings.simplefilter('ignore')  # torch's warnings about pickle protocols: the error below says what is wrong
             state = torch.load(file, map_location=map_location, weights_only=True, mmap=mmap and zipfile.is_zipfile(file))
-    except Exception as e: raise CheckpointError(f"{file} {_why_unreadable(file, e)}") from e
-    if (why := _damage(file)) is not None: raise CheckpointError(f"{file} {why}")  # damaged weights would otherwise load silently
-    if not isinstance(state, dict) or not state: raise CheckpointError(f"{file} holds a {type(state).__name__}, not model weights")
+    except Exception as e: raise CheckpointError(f"{name} {_why_unreadable(file, e)}") from e
+    if (why := _damage(file)) is not None: raise CheckpointError(f"{name} {why}")  # damaged weights would otherwise load silently
+    if not isinstance(state, dict) or not state: raise CheckpointError(f"{name} holds a {type(state).__name__}, not model weights")
     rp = resume_record(state)
     if rp is None: return state
     if isinstance(rp, dict) and _is_int(rp.get('version', 0)) and rp.get('version', 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{file} was written by a newer resumable_train (format {rp['version']}, this one reads {FORMAT_VERSION}); upgrade the package")
+        raise CheckpointError(f"{name} was written by a newer resumable_train (format {rp['version']}, this one reads {FORMAT_VERSION}); upgrade the package")
     try: check_record(rp, state['opt'])
-    except ValueError as e: raise CheckpointError(f"{file} holds a damaged resume record ({e})") from None
+    except ValueError as e: raise CheckpointError(f"{name} holds a damaged resume record ({e})") from None
     return state
 
 def resume_record(state:dict):

@@ -21,6 +21,7 @@ from fastcore.xtras import join_path_file
 from .files import *
 from .state import *
 from .files import _stock_safe
+from .store import LocalStore, is_url, locate
 from .state import _qualname
 
 # %% auto #0
@@ -416,8 +417,12 @@ def checkpoint(learn, with_iter:bool=True, # include the resume point
     return make_checkpoint(to_plain(get_model(learn.model).state_dict(), copy), to_plain(learn.opt.state_dict(), copy),
                            to_plain(rec, copy) if copy else rec)
 
+def _location(learn, file):
+    "Where `file` is: an fsspec URL as it is, else in `learn.path/learn.model_dir` as fastai has it; with `.pth` added, as fastai adds it"
+    return f"{file}.pth" if is_url(str(file)) else join_path_file(file, learn.path/learn.model_dir, ext='.pth')
+
 @patch
-def save(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
+def save(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or an fsspec URL (`s3://bucket/run1/model`)
          with_opt:bool=True, # save the optimizer state
          with_iter:bool=True, # save the resume point (needs `with_opt`)
          durable:bool=True, # fsync the file and its folder
@@ -425,14 +430,18 @@ def save(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
          extra:dict|None=None, # more plain values to keep in the record
         ):
     "Save model and optimizer state to `learn.path/learn.model_dir/file`, with the resume point if `with_iter`"
-    file,full = join_path_file(file, self.path/self.model_dir, ext='.pth'),with_opt and with_iter and self.opt is not None
+    file,full = _location(self, file),with_opt and with_iter and self.opt is not None
     if rank_distrib():
         if full: resume_point(self)  # every rank takes part in gathering the states (`DistributedTrainer`'s random streams)
         return file
+    store,name = locate(file)
     if not full:
-        save_model(file, self.model, getattr(self,'opt',None), with_opt=with_opt, pickle_protocol=pickle_protocol)
-        return file
-    return write_checkpoint(checkpoint(self, extra=extra), file, durable=durable, pickle_protocol=pickle_protocol)
+        if isinstance(store, LocalStore):
+            save_model(file, self.model, getattr(self,'opt',None), with_opt=with_opt, pickle_protocol=pickle_protocol)
+            return file
+        sd = get_model(self.model).state_dict()  # the two forms of a stock fastai file
+        return store.save({'model': sd, 'opt': self.opt.state_dict()} if with_opt and self.opt is not None else sd, name, pickle_protocol=pickle_protocol)
+    return store.save(checkpoint(self, extra=extra), name, durable=durable, pickle_protocol=pickle_protocol)
 
 # %% ../nbs/01_learner.ipynb #61517231
 def _load_opt(opt, sd, file):
@@ -468,12 +477,17 @@ def share_checkpoint(state:dict|None, # the checkpoint on rank `src`; ignored on
     if mine: return state
     with torch.serialization.safe_globals(_stock_safe): return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
 
+def _read(file)->dict:
+    "The checkpoint at `file`, a path or an fsspec URL, read through its store"
+    store,name = locate(file)
+    return store.load(name)
+
 def _read_on_rank0(file, src:int=0)->dict:
     "The checkpoint `file` as rank `src` reads it, on every rank: under a process group only that rank's node needs the file"
-    if _world_size() == 1: return read_checkpoint(file)
+    if _world_size() == 1: return _read(file)
     state,err = None,None
     if dist.get_rank() == src:
-        try: state = read_checkpoint(file)
+        try: state = _read(file)
         except CheckpointError as e: err = str(e)
     o = [err]
     dist.broadcast_object_list(o, src=src, device=_group_device())
@@ -500,7 +514,7 @@ def _plan_resume(learn, rp, elastic)->bool:
 _loads = 0  # calls of the package's `Learner.load`: `_load_through` checks that a subclass's `load` reaches it
 
 @patch
-def load(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
+def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or an fsspec URL
          device=None, # where to put the tensors; the DataLoaders' device by default
          with_opt:bool=True, # load the optimizer state
          with_iter:bool=True, # continue from the resume point, if the file holds one
@@ -517,7 +531,7 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, or a path
     if device is None and hasattr(self.dls, 'device'): device = self.dls.device
     if isinstance(device, int): device = torch.device('cuda', device)
     if self.opt is None: self.create_opt()
-    file = join_path_file(file, self.path/self.model_dir, ext='.pth')
+    file = _location(self, file)
     distrib_barrier()
     if state is None: state = _read_on_rank0(file)
     if device is not None: state = to_device(state, device)
