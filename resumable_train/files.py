@@ -225,13 +225,17 @@ def _fit_ledger(r):
 class CheckpointError(ValueError):
     "A file that cannot be loaded as a checkpoint; the message names the file and what is wrong"
 
+def _in_zip(file, f):
+    "`(f(z), None)` for the zip archive `z` in `file`, `(None, None)` if `file` is no zip archive, `(None, why)` if it cannot be read"
+    if not zipfile.is_zipfile(file): return None, None
+    try:
+        with zipfile.ZipFile(file) as z: return f(z), None
+    except Exception as e: return None, f"is corrupt ({e})"
+
 def _damage(file):
     "Why the zip records of `file` fail their checksums (`torch.load` does not check them), or `None`"
-    if not zipfile.is_zipfile(file): return None
-    try:
-        with zipfile.ZipFile(file) as z: bad = z.testzip()
-    except Exception as e: return f"is corrupt ({e})"
-    return f"is corrupt (record {bad} fails its checksum)" if bad else None
+    bad,why = _in_zip(file, lambda z: z.testzip())
+    return why or (f"is corrupt (record {bad} fails its checksum)" if bad else None)
 
 def _reason(e):
     "The reason in torch's error `e`, without its advice (torch suggests `weights_only=False`, which would run code from the file)"
@@ -241,10 +245,8 @@ def _reason(e):
 
 def _compressed(file):
     "Why `file` may not be expanded: a zip record that is compressed, which `torch.save` never writes; or `None`"
-    if not zipfile.is_zipfile(file): return None
-    try:
-        with zipfile.ZipFile(file) as z: infos = z.infolist()
-    except Exception as e: return f"is corrupt ({e})"
+    infos,why = _in_zip(file, lambda z: z.infolist())
+    if infos is None: return why
     packed = [i for i in infos if i.compress_type != zipfile.ZIP_STORED or i.file_size != i.compress_size]
     if packed or sum(i.file_size for i in infos) > Path(file).stat().st_size:
         return (f"holds compressed records ({sum(i.compress_size for i in packed):,} bytes that would expand to "

@@ -307,7 +307,7 @@ def _settings(o, depth=2)->str:
 
 def _is_a(o, cls:str)->bool:
     "Is `o` an instance of the class named `cls` (module and name), without importing it?"
-    return any(f'{c.__module__}.{c.__qualname__}' == cls for c in type(o).__mro__)
+    return any(_qualname(c) == cls for c in type(o).__mro__)
 
 def fit_plan(learn)->dict:
     "What the running fit call was asked to do beyond its setup: hyperparameters and their schedules, loss function, optimizer"
