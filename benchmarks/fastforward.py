@@ -38,7 +38,7 @@ def _first_batch(learn, variant, k, rp):
     return fb.t - t
 
 def run(quick=False, device=None, reps=None):
-    ks = (0, 10) if quick else (0, 10, 100, 1000, 10000)
+    ks = (0, 10) if quick else (0, 10, 100, 1000, 10_000, 100_000)
     cancel_max,cancel_reps = (10, 1) if quick else (1000, 2)  # iterate-and-discard costs k batches of loading: measured up to `cancel_max`
     reps = reps or (1 if quick else 5)
     bs,delay,workers = 8,0.002,(0, 2)

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Benchmarks of resumable_train: fast-forward, checkpoint cost, AutoResume overhead, background-write stalls, memory, uploads to S3.
+"""Benchmarks of resumable_train: fast-forward, checkpoint cost, AutoResume overhead, background-write stalls, memory, uploads to S3,
+peers (Accelerate, torch.distributed.checkpoint) in the same run, time from SIGTERM to a durable resume point.
 
     python benchmarks/run.py            # all, full size (a few minutes); tables printed and kept in benchmarks/results/
     python benchmarks/run.py --quick    # smoke run, seconds
@@ -9,7 +10,7 @@ import argparse, json, sys, time
 from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # these modules, then this checkout's package
 
-NAMES = ('fastforward', 'checkpoint', 'overhead', 'stall', 'memory', 'upload')
+NAMES = ('fastforward', 'checkpoint', 'overhead', 'stall', 'memory', 'upload', 'peers', 'sigterm')
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -20,16 +21,20 @@ def main(argv=None):
     p.add_argument('--reps', type=int, default=None, help='repetitions per variant (default: each benchmark its own)')
     p.add_argument('--threads', type=int, default=None, help='torch threads (default: torch default)')
     p.add_argument('--memory-child', nargs=2, metavar=('VARIANT', 'SIZE'), help=argparse.SUPPRESS)
+    p.add_argument('--sigterm-server', nargs=2, metavar=('SIZE', 'REPS'), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     import torch
     if a.threads: torch.set_num_threads(a.threads)
     import memory
     if a.memory_child: return print(json.dumps(memory.measure(*a.memory_child, device=a.device)))
+    if a.sigterm_server:
+        import sigterm
+        return print(json.dumps(sigterm.serve(a.sigterm_server[0], int(a.sigterm_server[1]), device=a.device)))
     from common import RESULTS, machine_info
-    import fastforward, checkpoint, overhead, stall, upload
+    import fastforward, checkpoint, overhead, stall, upload, peers, sigterm
     out = Path(a.out) if a.out else RESULTS/'quick' if a.quick else RESULTS
     info = machine_info(a.quick, a.device)
-    mods = dict(fastforward=fastforward, checkpoint=checkpoint, overhead=overhead, stall=stall, memory=memory, upload=upload)
+    mods = dict(fastforward=fastforward, checkpoint=checkpoint, overhead=overhead, stall=stall, memory=memory, upload=upload, peers=peers, sigterm=sigterm)
     for n in a.only:
         t0 = time.perf_counter()
         kw = dict(device=a.device) if n != 'fastforward' else {}

@@ -19,7 +19,7 @@ from .files import *
 from .store import *
 from .state import *
 from .learner import *
-from .learner import _position, _restore_streams, _load_through, _read_on_rank0, _group_device, _bypassed, _plan_changes, fit_plan
+from .learner import _position, _restore_streams, _load_through, _read_on_rank0, _group_device, _bypassed, _plan_changes, fit_plan, _log_history
 
 # %% auto #0
 __all__ = ['list_checkpoints', 'newest_valid', 'agree', 'AutoResume']
@@ -73,6 +73,9 @@ class _Writer:
             if not background: raise
             self.error = e
 
+    @property
+    def busy(self)->bool: return self.thread is not None and self.thread.is_alive()
+
     def wait(self, timeout:float|None=None)->bool:
         "Finish the write in flight, raising its error; `False` if it is still running after `timeout` seconds"
         if self.thread is not None:
@@ -100,8 +103,8 @@ def _into(new, buf=None):
 _held = {}  # the lock file of each run this process holds -> its descriptor
 
 def _tmp_files(folder, fname):
-    "The temporary files of writes of run `fname` that did not finish"
-    pat = re.compile(rf'\.{re.escape(fname)}-\d+\.pth\.\w+\.tmp')
+    "The temporary files of writes of run `fname` (resume points and history logs) that did not finish"
+    pat = re.compile(rf'\.{re.escape(fname)}-(\d+\.pth|fit\d+\.history)\.\w+\.tmp')
     return [p for p in Path(folder).iterdir() if pat.fullmatch(p.name)] if Path(folder).is_dir() else []
 
 def _holder(fd)->str:
@@ -164,7 +167,7 @@ class AutoResume(Callback):
         if not (isinstance(keep, int) and keep >= 1):
             raise ValueError(f"AutoResume(keep={keep!r}): keep at least 1 resume point; with none, a stopped run could not continue")
         store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,stop_wait')
-        self.done,self.fits,self.ends,self.unfinished = 0,[],[],False
+        self.done,self.fits,self.ends,self.unfinished,self.due = 0,[],[],False,False
         self.writer,self.host_copy,self.fitting = _Writer(background),None,False
 
     @property
@@ -300,8 +303,11 @@ def _decide(self:AutoResume, plan):
 # %% ../nbs/02_autoresume.ipynb #a43a4e2d
 @patch
 def _save(self:AutoResume, end:bool=False, # the end of the fit call, which the ledger keeps
-          stopping:float|None=None): # when a signal stops the run: the seconds left to wait for the write in flight
+          stopping:float|None=None, # when a signal stops the run: the seconds left to wait for the write in flight
+          periodic:bool=False): # one of the `every_iter`/`every_secs` resume points, which wait for no write in flight
     "Write a resume point at this moment of training"
+    self.due = periodic and self.background and bool(agree(self.writer.busy))
+    if self.due: return  # the previous one is still being written: this one is taken at a batch after it
     name = f'{self.fname}-{self.next_num:04d}.pth'
     self.next_num += 1
     ends = self.ends[:self.fit_index] + ([name] if end else [])
@@ -310,9 +316,19 @@ def _save(self:AutoResume, end:bool=False, # the end of the fit call, which the 
     if rank_distrib(): return self.learn.save(_stem(self.store.where(name)), extra=extra)
     if not self.writer.wait(stopping): return  # before copying: one copy of the state at a time
     ck = checkpoint(self.learn, extra=extra)
+    start = _log_history(self.learn, ck, self.store.where(self.log)) if isinstance(self.store, LocalStore) else None  # appended here: a few rows
     if self.background: ck = self.host_copy = _into(ck, self.host_copy)
-    self.writer(partial(self.store.save, ck, name), then=self._prune, background=self.background or stopping is not None)
+    self.writer(partial(self._write, ck, name, start), then=self._prune, background=self.background or stopping is not None)
     self.last_save = time.monotonic()
+
+@patch(as_prop=True)
+def log(self:AutoResume)->str: return f'{self.fname}-fit{self.fit_index+1}.history'  # the Recorder's history of the fit call
+
+@patch
+def _write(self:AutoResume, ck, name, start=None):
+    "Write the resume point `ck` as `name`, and start the history log it could not append to"
+    self.store.save(ck, name)
+    if start: start()
 
 @patch
 def _prune(self:AutoResume):
@@ -373,10 +389,10 @@ def before_train(self:AutoResume):
 @patch
 def after_batch(self:AutoResume):
     if not (self.fitting and self.training): return
-    due = bool(self.every_iter and self.train_iter % self.every_iter == 0)
+    due = self.due or bool(self.every_iter and self.train_iter % self.every_iter == 0)
     if self.every_secs: due |= bool(agree(time.monotonic() - self.last_save >= self.every_secs))
     if stop := agree(self.signum): self._stop(stop)
-    elif due: self._save()
+    elif due: self._save(periodic=True)
 
 @patch
 def after_epoch(self:AutoResume):

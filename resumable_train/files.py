@@ -6,14 +6,14 @@ Docs: https://resumable-train.github.io/resumable_train/files.html.md"""
 
 # %% ../nbs/00a_files.ipynb #a214dd43
 from __future__ import annotations
-import math, os, pickle, re, secrets, tempfile, warnings, zipfile
+import hashlib, json, math, os, pickle, re, secrets, tempfile, warnings, zipfile
 from pathlib import Path
 import numpy as np, torch
 from fastcore.foundation import L
 
 # %% auto #0
-__all__ = ['FORMAT_VERSION', 'make_checkpoint', 'write_checkpoint', 'check_record', 'CheckpointError', 'read_checkpoint',
-           'resume_record', 'position_text']
+__all__ = ['FORMAT_VERSION', 'make_checkpoint', 'resume_record', 'write_checkpoint', 'check_record', 'start_history',
+           'append_history', 'adopt_history', 'CheckpointError', 'read_checkpoint', 'position_text']
 
 # %% ../nbs/00a_files.ipynb #f023d4f0
 def _pack(xs):
@@ -30,11 +30,15 @@ def _unpack(o):
 
 
 # %% ../nbs/00a_files.ipynb #78e8d2b8
-FORMAT_VERSION = 2  # 2: every stream at the epoch's start, PyTorch generators, DataLoader and module states, fit plans, the ledger
+FORMAT_VERSION = 3  # 2: every stream at the epoch's start, PyTorch generators, DataLoader and module states, fit plans, the ledger; 3: history logs
 
 def make_checkpoint(model_sd:dict, opt_sd:dict, resume:dict): # `resume` is a resume point, or a record of a finished run
     "The dictionary saved to disk: stock fastai's `{'model','opt'}` with the resume point inside `opt`"
     return {'model': model_sd, 'opt': {**opt_sd, 'resume': dict(resume, version=FORMAT_VERSION)}}
+def resume_record(state:dict):
+    "The resume record inside a loaded checkpoint, or `None` for a stock fastai file"
+    opt = state.get('opt') if set(state) == {'model','opt'} else None
+    return opt.get('resume') if isinstance(opt, dict) else None
 
 def _fsync_dir(d):
     fd = os.open(d, os.O_RDONLY)
@@ -48,13 +52,13 @@ def _new_tmp(file):
         try: return tmp, os.open(tmp, os.O_WRONLY|os.O_CREAT|os.O_EXCL|getattr(os, 'O_CLOEXEC', 0), 0o666)
         except FileExistsError: continue
 
-def write_checkpoint(obj, file, durable:bool=True, pickle_protocol:int=2): # fsync the file and its folder
-    "Write `obj` to `file` atomically, and durably if `durable`"
+def _write_atomic(file, write, durable:bool=True):
+    "Call `write(f)` on a temporary file next to `file`, then rename it to `file`; with `durable`, fsync the file and the folder"
     file,tmp = Path(file),None
     try:
         tmp,fd = _new_tmp(file)
         with os.fdopen(fd, 'wb') as f:
-            torch.save(obj, f, pickle_protocol=pickle_protocol)
+            write(f)
             f.flush()
             if durable: os.fsync(f.fileno())
         os.replace(tmp, file)
@@ -65,6 +69,33 @@ def write_checkpoint(obj, file, durable:bool=True, pickle_protocol:int=2): # fsy
         raise OSError(e.errno, f"Could not write {file}: {e.strerror or e}; {left}") from e
     if durable: _fsync_dir(file.parent)
     return file
+
+def _fsync_file(file):
+    fd = os.open(file, os.O_RDONLY)
+    try: os.fsync(fd)
+    finally: os.close(fd)
+
+def _compact(o):
+    "`o` with each tensor that views part of a larger storage (a growing history) copied out, so that the file holds only its data"
+    if isinstance(o, torch.Tensor): return o.clone() if o.untyped_storage().nbytes() > o.numel()*o.element_size() else o
+    if isinstance(o, dict): return {k: _compact(v) for k,v in o.items()}
+    if isinstance(o, (list, tuple)): return type(o)(_compact(v) for v in o)
+    return o
+
+def _log_ref(rec:dict)->dict|None:
+    "The reference to a history log in the resume record `rec`, if it has one"
+    rs = rec.get('callbacks', {}).get('recorder') if isinstance(rec.get('callbacks'), dict) else None
+    return rs.get('history') if isinstance(rs, dict) else None
+
+def write_checkpoint(obj, file, durable:bool=True, pickle_protocol:int=2): # fsync the file and its folder
+    "Write `obj` to `file` atomically, and durably if `durable` (the history log it refers to first)"
+    file,rec = Path(file),resume_record(obj) if isinstance(obj, dict) else None
+    if isinstance(rec, dict):
+        obj = {**obj, 'opt': {**obj['opt'], 'resume': _compact(rec)}}
+        log = _log_ref(rec)
+        if durable and log is not None: _fsync_file(file.parent/log['log'])
+    return _write_atomic(file, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol), durable)
+
 
 # %% ../nbs/00a_files.ipynb #d50d801d
 def _fail(field, what): raise ValueError(f"`{field}` {what}")
@@ -169,6 +200,9 @@ def _history(r):
     if rec is None: return
     _of(rec, 'callbacks.recorder', dict)
     n = r.get('train_iter')
+    if 'history' in rec:
+        _check_ref(rec['history'])
+        if _is_int(n) and rec['history']['n'] > n: _fail('callbacks.recorder.history.n', f"is {rec['history']['n']}, more than train_iter {n}")
     for k in ('lrs', 'losses'):
         if k not in rec: continue
         h = rec[k]['stack'] if isinstance(rec[k], dict) and 'stack' in rec[k] else rec[k].get('float64') if isinstance(rec[k], dict) else rec[k]
@@ -221,6 +255,107 @@ def _fit_ledger(r):
         if n is not None and not (isinstance(n, str) and re.fullmatch(r'[\w.-]+-\d+\.pth', n)): _fail(f'ends[{j}]', f"is {n!r}, not the name of a resume point")
     _int(r.get('last_epoch'), 'last_epoch', 0, fits[i]['n_epoch'], none_ok=True)
 
+# %% ../nbs/00a_files.ipynb #f992414d
+_LOG_MAGIC = b'resumable_train history log 1\n'
+
+def _columns(packed:dict)->list:
+    "The log's header: each packed history's name, form, dtype and item shape"
+    return [[k, f, str(t.dtype).removeprefix('torch.'), list(t.shape[1:])] for k,v in packed.items() for f,t in v.items()]
+
+def _flat(packed:dict)->list: return [next(iter(v.values())) for v in packed.values()]
+
+def _rows(packed:dict, start:int, end:int)->bytes:
+    "Rows `start:end` of the histories in `packed` (of one length), each row their items side by side"
+    if end <= start: return b''
+    cols = [t[start:end].reshape(end-start, -1).contiguous().view(torch.uint8).numpy() for t in _flat(packed)]
+    return np.concatenate(cols, axis=1).tobytes()
+
+class _Log:
+    "What this process knows of a log: its file and header, rows and bytes so far, their running sha256, and whose histories it keeps"
+    def __init__(self, path, columns, n, nbytes, sha, owner=None): self.path,self.columns,self.n,self.nbytes,self.sha,self.owner = path,columns,n,nbytes,sha,owner
+    def ref(self)->dict: return dict(log=self.path.name, n=self.n, bytes=self.nbytes, sha256=self.sha.hexdigest())
+
+_logs,_read_logs = {},{}  # the logs this process appends to, by path; the log prefixes it read and checked, by (path, bytes)
+
+def start_history(path, # the log file, in the folder of the checkpoints that refer to it
+                  packed:dict, # the histories, as `History.pack` gives them: `{'lrs': {'float64': t}, 'losses': {'stack': t}}`
+                  owner, # who appends to it: `append_history` appends only for the same owner
+                  durable:bool=True):
+    "Write the history log `path` anew with every row of `packed`"
+    path = Path(path).absolute()
+    cols,n = _columns(packed),len(_flat(packed)[0])
+    data = _LOG_MAGIC + json.dumps(cols).encode() + b'\n' + _rows(packed, 0, n)
+    _write_atomic(path, lambda f: f.write(data), durable)
+    _logs[str(path)] = _Log(path, cols, n, len(data), hashlib.sha256(data), owner)
+
+def append_history(path, packed:dict, owner)->dict|None:
+    "Append to the log `path` the rows of `packed` it lacks; the reference a resume point keeps, or `None` if this process does not keep that log for `owner`"
+    path = Path(path).absolute()
+    lg,n = _logs.get(str(path)),len(_flat(packed)[0])
+    if lg is None or lg.owner != owner or lg.columns != _columns(packed) or lg.n > n: return None
+    try:
+        if path.stat().st_size < lg.nbytes: return None
+        data = _rows(packed, lg.n, n)
+        with open(path, 'r+b') as f:
+            f.truncate(lg.nbytes)  # rows past the resume point this run continued from: no resume point of this run refers to them
+            f.seek(lg.nbytes); f.write(data)
+    except OSError: return None
+    lg.sha.update(data)
+    lg.n,lg.nbytes = n,lg.nbytes+len(data)
+    return lg.ref()
+
+# %% ../nbs/00a_files.ipynb #6561b0bc
+_LOG_NAME = r'[\w.-]+\.history'
+
+def _check_ref(ref, field='callbacks.recorder.history'):
+    _of(ref, field, dict)
+    if not (isinstance(ref.get('log'), str) and re.fullmatch(_LOG_NAME, ref['log'])): _fail(f'{field}.log', f"is {ref.get('log')!r}, not the name of a history log")
+    _int(ref.get('n'), f'{field}.n', 0); _int(ref.get('bytes'), f'{field}.bytes', len(_LOG_MAGIC))
+    if not (isinstance(ref.get('sha256'), str) and re.fullmatch('[0-9a-f]{64}', ref['sha256'])): _fail(f'{field}.sha256', f"is {ref.get('sha256')!r}, not a sha256")
+
+def _parse_log(data:bytes, n:int)->dict:
+    "The histories in the log bytes `data` of `n` rows"
+    head,_,rows = data[len(_LOG_MAGIC):].partition(b'\n')
+    try:
+        cols = json.loads(head)
+        kinds = [(k, f, getattr(torch, dt), [int(s) for s in shape]) for k,f,dt,shape in cols]
+        if not all(isinstance(dt, torch.dtype) and f in ('stack', 'float64') for _,f,dt,_ in kinds): raise ValueError(head)
+    except Exception: raise ValueError("has a header that is not a history log's") from None
+    widths = [dt.itemsize*math.prod(shape) for _,_,dt,shape in kinds]
+    if not data.startswith(_LOG_MAGIC) or len(rows) != n*sum(widths): raise ValueError(f"does not hold {n:,} rows of {sum(widths)} bytes")
+    arr,out,o = np.frombuffer(rows, np.uint8).reshape(n, sum(widths)),{},0
+    for (k,f,dt,shape),w in zip(kinds, widths):
+        out[k] = {f: torch.from_numpy(arr[:, o:o+w].copy()).view(dt).reshape(n, *shape)}
+        o += w
+    return out
+
+def _resolve_history(rec:dict, file):
+    "Put back into the record `rec` read from `file` the history rows it keeps in a log next to `file`; `ValueError` saying what is wrong"
+    ref = _log_ref(rec)
+    if ref is None: return
+    _check_ref(ref)
+    path,n = (Path(file).parent/ref['log']).absolute(),ref['n']
+    what = f"keeps the Recorder's history of its {n:,} batches in {ref['log']}"
+    try:
+        with open(path, 'rb') as f: data = f.read(ref['bytes'])
+    except FileNotFoundError: raise ValueError(f"{what}, which is not in {path.parent}: copy it along with the checkpoint") from None
+    if len(data) < ref['bytes']: raise ValueError(f"{what}, which is {len(data):,} bytes, shorter than the {ref['bytes']:,} it had then")
+    sha = hashlib.sha256(data)
+    if sha.hexdigest() != ref['sha256']: raise ValueError(f"{what}, whose first {ref['bytes']:,} bytes were changed since (their sha256 differs)")
+    try: hist = _parse_log(data, n)
+    except ValueError as e: raise ValueError(f"{what}, which {e}") from None
+    rec['callbacks']['recorder'].update(hist, history=dict(ref, path=str(path)))
+    _read_logs[(str(path), ref['bytes'])] = _Log(path, json.loads(data[len(_LOG_MAGIC):].partition(b'\n')[0]), n, ref['bytes'], sha)
+    while len(_read_logs) > 16: _read_logs.pop(next(iter(_read_logs)))
+
+def adopt_history(ref:dict, # the `history` reference of a record `read_checkpoint` read
+                  owner): # the histories that go on from that record's
+    "Let `owner` append to the log that the record with `ref` was read from, as it was then"
+    lg = _read_logs.pop((ref.get('path'), ref.get('bytes')), None)
+    if lg is None: return
+    lg.owner = owner
+    _logs[str(lg.path)] = lg
+
 # %% ../nbs/00a_files.ipynb #1b71ade7
 class CheckpointError(ValueError):
     "A file that cannot be loaded as a checkpoint; the message names the file and what is wrong"
@@ -272,6 +407,7 @@ _stock_safe = [L, np.dtype, *[getattr(np.dtypes, n) for n in np.dtypes.__all__]]
 def read_checkpoint(file, map_location='cpu',
                     mmap:bool=False, # map the tensors from the file instead of reading them into memory (enough to look at the record)
                     name=None, # what messages call the file (a remote store's URL for a downloaded copy); `file` by default
+                    history:bool=True, # read the Recorder's history from its log (a resume needs it; the weights alone do not)
                    )->dict:
     "Load `file` with `weights_only=True`, raising `CheckpointError` that says what is wrong with it"
     file = Path(file)
@@ -292,12 +428,10 @@ def read_checkpoint(file, map_location='cpu',
         raise CheckpointError(f"{name} was written by a newer resumable_train (format {rp['version']}, this one reads {FORMAT_VERSION}); upgrade the package")
     try: check_record(rp, state['opt'])
     except ValueError as e: raise CheckpointError(f"{name} holds a damaged resume record ({e})") from None
+    try:
+        if history: _resolve_history(rp, file)
+    except ValueError as e: raise CheckpointError(f"{name} {e} (or load it with with_iter=False: its weights need no history)") from None
     return state
-
-def resume_record(state:dict):
-    "The resume record inside a loaded checkpoint, or `None` for a stock fastai file"
-    opt = state.get('opt') if set(state) == {'model','opt'} else None
-    return opt.get('resume') if isinstance(opt, dict) else None
 
 # %% ../nbs/00a_files.ipynb #7012e2dd
 def position_text(epoch:int, iter:int, n_epoch:int, n_iter:int)->str: # a resume point's `epoch` and `iter` (counted from 0)

@@ -22,7 +22,7 @@ from .files import *
 from .state import *
 from .files import _stock_safe
 from .store import LocalStore, is_url, locate
-from .state import _qualname
+from .state import _qualname, _history_owner
 
 # %% auto #0
 __all__ = ['fastai_changes', 'check_fastai', 'SeedBatches', 'resume_point', 'fit_plan', 'SkipToIter', 'checkpoint',
@@ -71,9 +71,13 @@ _fastai = {n: getattr(getattr(Learner, n), '_fastai', getattr(Learner, n))
            for n in ('_with_events','one_batch','fit')}
 
 class _Events(Callback):
-    "Note which event is running in `learn._event`, before any other callback sees it"
+    "Note which event is running in `learn._event`, before any other callback sees it; and whether the gradients are as `zero_grad` left them"
     order = -math.inf
-    def __call__(self, event_name): self.learn._event = event_name
+    def __init__(self): self.zeroed = False  # not known before the first step of the fit
+    def __call__(self, event_name):
+        self.learn._event = event_name
+        if event_name == 'after_backward': self.zeroed = False
+        elif event_name == 'after_step': self.zeroed = True  # fastai's `zero_grad` follows, a step or a `CancelStepException` alike
 
 @patch
 def _with_events(self:Learner, f, event_type, ex, final=noop):
@@ -238,7 +242,13 @@ class SeedBatches(Callback):
     after_fit = after_train
 
 # %% ../nbs/01_learner.ipynb #5f9cde89
-def _grad_state(p): return None if p.grad is None else p.grad if p.grad.any() else 0
+def _grad_state(p, zeroed=False): return None if p.grad is None else 0 if zeroed or not p.grad.any() else p.grad
+
+def _grad_states(learn)->list:
+    "The model's gradients as `_set_grad` takes them: `None`, 0 (zeros) or the values"
+    ev = next((cb for cb in learn.cbs if isinstance(cb, _Events)), None)
+    zeroed = {id(p) for p,*_ in learn.opt.all_params()} if ev is not None and ev.zeroed else set()  # what `zero_grad` zeroed
+    return [_grad_state(p, id(p) in zeroed) for p in learn.model.parameters()]
 def _set_grad(p, g): p.grad = None if g is None else torch.zeros_like(p) if isinstance(g, int) else g.to(p.device)
 
 def _restore_dls(learn, rec):
@@ -290,7 +300,7 @@ def resume_point(learn)->dict|None:
         dl_states=dl_states(learn), modules=module_states(learn.model),
         epoch_rng=skip.epoch_rng if it else None, callbacks=callback_states(learn),
         metric_names=_value_names(learn), plan=fit_plan(learn),
-        grads=[_grad_state(p) for p in learn.model.parameters()], meta=_meta()))
+        grads=_grad_states(learn), meta=_meta()))
 
 # %% ../nbs/01_learner.ipynb #7426aeea
 _PCTS = (0., .1, .25, .5, .75, .9, 1.)
@@ -421,6 +431,19 @@ def _location(learn, file):
     "Where `file` is: an fsspec URL as it is, else in `learn.path/learn.model_dir` as fastai has it; with `.pth` added, as fastai adds it"
     return f"{file}.pth" if is_url(str(file)) else join_path_file(file, learn.path/learn.model_dir, ext='.pth')
 
+def _log_history(learn, ck, log)->callable|None:
+    "Move the Recorder's history in checkpoint `ck` to the log file `log`, appending the rows it lacks; if it cannot, the function that starts the log once `ck` is written"
+    rs,r = (resume_record(ck) or {}).get('callbacks', {}).get('recorder'),getattr(learn, 'recorder', None)
+    if r is None or not isinstance(rs, dict) or not all(isinstance(rs.get(k), dict) for k in ('lrs','losses')): return None
+    packed,owner = {k: rs[k] for k in ('lrs','losses')},_history_owner(r)
+    if len({len(next(iter(v.values()))) for v in packed.values()}) != 1: return None  # not a row per batch: kept in the file
+    ref = append_history(log, packed, owner)
+    if ref is None: return partial(start_history, log, packed, owner)
+    del rs['lrs'], rs['losses']
+    rs['history'] = ref
+
+def _log_name(name:str)->str: return f"{name.removesuffix('.pth')}.history"
+
 @patch
 def save(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or an fsspec URL (`s3://bucket/run1/model`)
          with_opt:bool=True, # save the optimizer state
@@ -441,7 +464,11 @@ def save(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
             return file
         sd = get_model(self.model).state_dict()  # the two forms of a stock fastai file
         return store.save({'model': sd, 'opt': self.opt.state_dict()} if with_opt and self.opt is not None else sd, name, pickle_protocol=pickle_protocol)
-    return store.save(checkpoint(self, extra=extra), name, durable=durable, pickle_protocol=pickle_protocol)
+    ck = checkpoint(self, extra=extra)
+    start = _log_history(self, ck, store.where(_log_name(name))) if isinstance(store, LocalStore) else None
+    out = store.save(ck, name, durable=durable, pickle_protocol=pickle_protocol)
+    if start: start(durable=durable)
+    return out
 
 # %% ../nbs/01_learner.ipynb #61517231
 def _load_opt(opt, sd, file):
@@ -477,17 +504,17 @@ def share_checkpoint(state:dict|None, # the checkpoint on rank `src`; ignored on
     if mine: return state
     with torch.serialization.safe_globals(_stock_safe): return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
 
-def _read(file)->dict:
-    "The checkpoint at `file`, a path or an fsspec URL, read through its store"
+def _read(file, **kwargs)->dict:
+    "The checkpoint at `file`, a path or an fsspec URL, read through its store (`kwargs` for `read_checkpoint`)"
     store,name = locate(file)
-    return store.load(name)
+    return store.load(name, **kwargs)
 
-def _read_on_rank0(file, src:int=0)->dict:
+def _read_on_rank0(file, src:int=0, **kwargs)->dict:
     "The checkpoint `file` as rank `src` reads it, on every rank: under a process group only that rank's node needs the file"
-    if _world_size() == 1: return _read(file)
+    if _world_size() == 1: return _read(file, **kwargs)
     state,err = None,None
     if dist.get_rank() == src:
-        try: state = _read(file)
+        try: state = _read(file, **kwargs)
         except CheckpointError as e: err = str(e)
     o = [err]
     dist.broadcast_object_list(o, src=src, device=_group_device())
@@ -533,7 +560,7 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
     if self.opt is None: self.create_opt()
     file = _location(self, file)
     distrib_barrier()
-    if state is None: state = _read_on_rank0(file)
+    if state is None: state = _read_on_rank0(file, history=with_iter and with_opt)
     if device is not None: state = to_device(state, device)
     hasopt = set(state) == {'model','opt'}
     try: get_model(self.model).load_state_dict(state['model'] if hasopt else state, strict=strict)

@@ -6,18 +6,18 @@ Docs: https://resumable-train.github.io/resumable_train/state.html.md"""
 
 # %% ../nbs/00_state.ipynb #f26101a2
 from __future__ import annotations
-import os, random, time
+import itertools, os, random, time, weakref
 from pathlib import Path
 import numpy as np, torch
 from fastcore.foundation import L
 from fastai.torch_core import get_random_states, set_random_states, num_distrib, rank_distrib, get_model
 from .files import *
-from .files import _pack, _unpack
+from .files import _pack, _unpack, adopt_history
 
 # %% auto #0
 __all__ = ['to_plain', 'rng_state', 'set_rng_state', 'dl_rng_state', 'set_dl_rng_state', 'register_state', 'has_state',
-           'state_of', 'restore_state', 'callback_states', 'load_callback_states', 'run_setup', 'check_setup',
-           'dl_states', 'load_dl_states', 'module_states', 'load_module_states']
+           'state_of', 'restore_state', 'History', 'callback_states', 'load_callback_states', 'run_setup',
+           'check_setup', 'dl_states', 'load_dl_states', 'module_states', 'load_module_states']
 
 # %% ../nbs/00_state.ipynb #45ebe4e0
 def to_plain(o, copy:bool=False): # copy tensors to host memory, detached from training
@@ -42,9 +42,15 @@ def _np_state(s): return (s[0], s[1].numpy().astype(np.uint32), *s[2:])
 def _py_plain(s): return [s[0], torch.tensor(s[1], dtype=torch.int64), s[2]]
 def _py_state(s): return (s[0], tuple(s[1].tolist()), s[2])
 
+def _random_states()->dict:
+    "`get_random_states`, without CUDA's streams while CUDA is not in use"
+    if torch.cuda.is_initialized(): return get_random_states()
+    return dict(random_state=random.getstate(), numpy_state=np.random.get_state(), torch_state=torch.get_rng_state(), torch_cuda_state=[],
+                torch_deterministic=torch.backends.cudnn.deterministic, torch_benchmark=torch.backends.cudnn.benchmark)
+
 def rng_state()->dict:
-    "The random streams of python, numpy and torch (CPU and CUDA), as plain values"
-    s = get_random_states()
+    "The random streams of python, numpy and torch (CPU, and CUDA once it is in use), as plain values"
+    s = _random_states()
     return dict(s, random_state=_py_plain(s['random_state']), numpy_state=_np_plain(s['numpy_state']),
                 torch_cuda_state=list(s['torch_cuda_state']))
 
@@ -112,6 +118,51 @@ def _vars_state(o, names): return {n: vars(o)[n] for n in names if n in vars(o)}
 def _set_vars(o, sd):
     for k,v in sd.items(): setattr(o, k, v)
 
+# %% ../nbs/00_state.ipynb #16dfb418
+_gens = itertools.count(1)
+
+def _kind(x):
+    "What a history item is: a tensor's dtype and shape, or a number (`None`: neither)"
+    if isinstance(x, torch.Tensor): return (x.dtype, tuple(x.shape))
+    if isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool): return 'number'
+
+def _stacked(xs, kind)->torch.Tensor:
+    return torch.tensor([float(x) for x in xs], dtype=torch.float64) if kind == 'number' else torch.stack([x.detach() for x in xs]).cpu()
+
+class History:
+    "A per-batch list packed as one tensor, `{'stack': t}` or `{'float64': t}`, growing by the items added since the last `pack`"
+    def __init__(self): self.reset(None)
+
+    def reset(self, xs, packed:dict|None=None): # the list to follow, and its items already packed (as a resume point holds them)
+        "Follow the list `xs` from its start"
+        self.src,self.n,self.buf,self.kind,self.last,self.gen = xs,0,None,None,None,next(_gens)
+        if packed:
+            f,t = next(iter(packed.items()))
+            self.kind = 'number' if f == 'float64' else (t.dtype, tuple(t.shape[1:]))
+            self._grow(t.cpu())
+            self.last = xs[self.n-1] if self.n else None
+
+    def _grow(self, rows):
+        k = len(rows)
+        if self.buf is None or self.n + k > len(self.buf):
+            buf = torch.empty((max(64, 2*(self.n + k)), *rows.shape[1:]), dtype=rows.dtype)
+            if self.n: buf[:self.n] = self.buf[:self.n]
+            self.buf = buf
+        self.buf[self.n:self.n+k] = rows
+        self.n += k
+
+    def pack(self, xs:list):
+        "`xs` packed, as a view of the buffer (`xs` itself when its items are not all numbers or all tensors of one shape and dtype)"
+        if not (xs is self.src and len(xs) >= self.n and (not self.n or xs[self.n-1] is self.last)): self.reset(xs)
+        new = xs[self.n:]
+        kinds = {_kind(x) for x in new} | ({self.kind} if self.n else set())
+        if len(kinds) != 1 or None in kinds:
+            self.src = None  # the next call starts again
+            return list(xs)
+        self.kind = kinds.pop()
+        if new: self._grow(_stacked(new, self.kind)); self.last = xs[-1]
+        return {'float64' if self.kind == 'number' else 'stack': self.buf[:self.n]}
+
 # %% ../nbs/00_state.ipynb #47527599
 def _is_plain(v):
     if isinstance(v, (torch.Tensor, bool, int, float, str, type(None))): return True
@@ -121,16 +172,28 @@ def _is_plain(v):
 def _metric_state(m): return state_of(m) if has_state(m) else {k:v for k,v in vars(m).items() if _is_plain(v)}
 def _set_metric_state(m, sd): restore_state(m, sd) if has_state(m) else _set_vars(m, sd)
 
+_HISTORIES = ('lrs', 'losses')
+
+_histories = weakref.WeakKeyDictionary()  # each Recorder's `History`s, kept outside it: `learn.export` pickles the Recorder
+
+def _history(r, k)->History: return _histories.setdefault(r, {}).setdefault(k, History())
+def _history_owner(r)->tuple:
+    "Who the Recorder `r`'s packed histories are: their `History`s' generations, which change whenever one starts again"
+    return tuple(_history(r, k).gen for k in _HISTORIES)
+
 def _recorder_state(r):
     "History, smoothed loss and running training metrics"
-    sd = _vars_state(r, ('lrs','iters','losses','values'))
-    for k in ('lrs','losses'):  # one record per run, not one per batch: saves stay cheap in long runs
-        if k in sd: sd[k] = _pack(sd[k])
+    sd = _vars_state(r, ('iters','values'))
+    for k in _HISTORIES:  # one tensor each, grown by the batches since the last save: saves stay cheap in long runs
+        if k in vars(r): sd[k] = _history(r, k).pack(vars(r)[k])
     return dict(sd, metrics=[_metric_state(m) for m in r._train_mets])
 
 def _set_recorder_state(r, sd):
     _set_vars(r, {k:list(sd[k]) for k in ('iters','values')})
-    r.lrs,r.losses = _unpack(sd['lrs']),_unpack(sd['losses'])
+    for k in _HISTORIES:
+        setattr(r, k, _unpack(sd[k]))
+        _history(r, k).reset(getattr(r, k), sd[k] if isinstance(sd[k], dict) else None)
+    if 'history' in sd: adopt_history(sd['history'], _history_owner(r))  # the next saves append to the log it was read from
     for m,s in zip(r._train_mets, sd['metrics']): _set_metric_state(m, s)
     if r.smooth_loss.count: r.learn.smooth_loss = r.smooth_loss.value
 

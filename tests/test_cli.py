@@ -58,6 +58,7 @@ KINDS = {
     'other.pth': (2, ["holds a dictionary (keys 'model', 'epoch') that is neither a fastai checkpoint"]),
     'cut.pth': (2, ['is truncated']),
     'list.pth': (2, ['holds a list']),
+    'nolog/resume.pth': (2, ["keeps the Recorder's history", 'autoresume-fit1.history, which is not in', 'with_iter=False']),
 }
 
 @pytest.fixture(scope='module')
@@ -69,6 +70,9 @@ def files(runs):
     assert torch.load(rp, weights_only=True)['opt']['resume']['iter'] > 0
     (d/'resume.pth').write_bytes(rp.read_bytes())
     (d/'finished.pth').write_bytes(sorted(models.glob('autoresume-*.pth'))[-1].read_bytes())
+    (d/'autoresume-fit1.history').write_bytes((models/'autoresume-fit1.history').read_bytes())  # their Recorder histories: appended to since
+    (d/'nolog').mkdir()
+    (d/'nolog'/'resume.pth').write_bytes(rp.read_bytes())  # copied without its history log
     ck = torch.load(rp, weights_only=True)
     torch.save({'model': ck['model'], 'opt': {k:v for k,v in ck['opt'].items() if k != 'resume'}}, d/'stock.pth')
     torch.save({'a': torch.ones(3)}, d/'tensors.pth')
@@ -127,7 +131,7 @@ def test_ls(files, answers):
     assert rc == 0, (rc, out, err)
     rows = {l.split()[-1]: l for l in out.splitlines()[2:]}
     for name,(want,_) in KINDS.items():
-        if name.endswith('.pth') and name != 'missing.pth': assert (' valid ' if want == 0 else ' invalid ') in rows[name], out
+        if name.endswith('.pth') and name != 'missing.pth' and '/' not in name: assert (' valid ' if want == 0 else ' invalid ') in rows[name], out
 
 def test_fast(files):
     "`resumable-train inspect` takes about the time of `import torch; torch.load(...)`, not the seconds `import fastai` costs"
