@@ -1,5 +1,6 @@
 "3. Training overhead of `AutoResume`: batches per second of a training loop with `AutoResume(every_iter=N)` against the same loop without it"
-import random, tempfile, time
+import os, random, tempfile, time
+import torch
 from fastai.callback.core import Callback
 from resumable_train.autoresume import AutoResume
 from common import *
@@ -10,7 +11,8 @@ class TrainTimer(Callback):
     def before_train(self): self.t = time.perf_counter()
     def after_train(self): self.secs,self.n = time.perf_counter() - self.t,self.n_iter
 
-def _secs_per_batch(learn, every, background):
+def _secs_per_batch(learn, every, background, threads):
+    torch.set_num_threads(threads)
     tt = TrainTimer()
     with tempfile.TemporaryDirectory(prefix='bench-ar-') as d:
         learn.path = Path(d)  # a fresh folder: AutoResume would continue a previous run's resume points
@@ -21,29 +23,31 @@ def _secs_per_batch(learn, every, background):
 def run(quick=False, device=None, reps=None):
     reps = reps or (1 if quick else 5)
     n,size = (30, 'medium') if quick else (400, 'medium')
+    cores = torch.get_num_threads()
+    threads = [cores] + ([cores-1] if cores > 1 and not quick else [])  # torch on every core; and one core left for the writer
     variants = [('none', False), (None, False), (10, False), (10, True)] if quick else \
-               [('none', False), (None, False), (10, False), (50, False), (200, False), (400, False), (10, True), (50, True), (200, True), (400, True)]
+               [('none', False), (None, False), (10, False), (50, False), (200, False), (10, True), (50, True), (200, True)]
     learn = make_learner(n, bs=64, size=size, device=device)
     times = {}
     for r in range(reps):
-        vs = variants[:]
+        vs = [(*v, th) for v in variants for th in threads]
         random.Random(r).shuffle(vs)
         for v in vs: times.setdefault(v, []).append(_secs_per_batch(learn, *v))
-    base = med(times[('none', False)])
+    torch.set_num_threads(cores)
     t = Table('overhead', '3. Training overhead of AutoResume: batches/s with AutoResume(every_iter=N) vs without',
-              ['AutoResume', 'background', 'ms/batch', 'batches/s', 'slowdown', 'seconds between saves', 'target < 3%'],
+              ['torch threads', 'AutoResume', 'background', 'ms/batch', 'batches/s', 'slowdown', 'seconds between saves', 'target < 3%'],
               [f"{size} MLP ({n_params(learn.model):,} params, {mb(state_bytes(learn))} MB of state with Adam), bs 64, {n} batches an epoch, "
                f"in-memory data; training phase only (the end-of-epoch resume point is not timed); median of {reps} fits, variants interleaved",
                "every_iter=None: no periodic resume points, only AutoResume's per-batch bookkeeping (SeedBatches, which AutoResume adds only for DataLoaders with workers, is not in this loop)"])
-    picked = None
-    for v in variants:
-        s = med(times[v])
-        slow = s/base - 1
-        every,bg = v
-        if every not in ('none', None) and slow < 0.03 and (picked is None or every < picked[0]) and not bg: picked = (every, every*s, slow)
-        t.add('—' if every == 'none' else f'every_iter={every}', 'yes' if bg else 'no', f"{s*1e3:.2f}", f"{1/s:.0f}", f"{slow:+.1%}",
-              '—' if every in ('none', None) else f"{every*s:.2f}", '' if every == 'none' else 'met' if slow < 0.03 else 'NOT met')
-    t.notes.append(f"smallest synchronous interval under 3%: every_iter={picked[0]} (a save every {picked[1]:.2f} s; {picked[2]:+.1%})" if picked
-                   else "no synchronous interval measured is under 3%")
-    t.raw = {f'{e}/{b}': xs for (e, b),xs in times.items()}
+    for th in threads:
+        base,picked = med(times[('none', False, th)]),None
+        for every,bg in variants:
+            s = med(times[(every, bg, th)])
+            slow = s/base - 1
+            if every not in ('none', None) and slow < 0.03 and (picked is None or every < picked[0]) and not bg: picked = (every, every*s, slow)
+            t.add(th, '—' if every == 'none' else f'every_iter={every}', 'yes' if bg else 'no', f"{s*1e3:.2f}", f"{1/s:.0f}", f"{slow:+.1%}",
+                  '—' if every in ('none', None) else f"{every*s:.2f}", '' if every == 'none' else 'met' if slow < 0.03 else 'NOT met')
+        t.notes.append(f"{th} torch threads: smallest synchronous interval under 3%: every_iter={picked[0]} (a save every {picked[1]:.2f} s; {picked[2]:+.1%})"
+                       if picked else f"{th} torch threads: no synchronous interval measured is under 3%")
+    t.raw = {f'{e}/{b}/{th}': xs for (e, b, th),xs in times.items()}
     return t

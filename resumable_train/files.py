@@ -352,7 +352,7 @@ def adopt_history(ref:dict, # the `history` reference of a record `read_checkpoi
                   owner): # the histories that go on from that record's
     "Let `owner` append to the log that the record with `ref` was read from, as it was then"
     lg = _read_logs.pop((ref.get('path'), ref.get('bytes')), None)
-    if lg is None: return
+    if lg is None or lg.sha.hexdigest() != ref.get('sha256'): return  # read elsewhere (another node's copy, sent over): not this file
     lg.owner = owner
     _logs[str(lg.path)] = lg
 

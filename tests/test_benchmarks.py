@@ -2,10 +2,10 @@
 import json
 from helpers import PY, ROOT, run, check_rc
 
-NAMES = ('fastforward', 'checkpoint', 'overhead', 'stall', 'memory', 'upload')
+NAMES = ('fastforward', 'checkpoint', 'overhead', 'stall', 'memory', 'upload', 'peers', 'sigterm')
 
 def test_quick_benchmarks(tmp_path):
-    res = run([PY, str(ROOT/'benchmarks'/'run.py'), '--quick', '--out', str(tmp_path)], timeout=120)
+    res = run([PY, str(ROOT/'benchmarks'/'run.py'), '--quick', '--out', str(tmp_path)], timeout=300)
     check_rc(res, 'benchmarks/run.py --quick')
     out = res[1]
     for n in NAMES:
@@ -15,3 +15,6 @@ def test_quick_benchmarks(tmp_path):
         assert t['rows'] and all(len(r) == len(t['columns']) for r in t['rows']), t
         assert {'date', 'cores', 'torch', 'fastai'} <= set(t['info'])
         assert t['title'] in out and '| ' + ' | '.join(t['columns']) + ' |' in out, f"{n}: table not printed\n{out[-3000:]}"
+    peers = json.loads((tmp_path/'peers.json').read_text())['rows']
+    for name in ('accelerate save_state', 'dcp.save', 'dcp.async_save: stall', 'resumable_train background: stall'):  # the peers ran (the dev extra installs them)
+        assert any(r[0] == name for r in peers), (name, peers)
