@@ -295,12 +295,13 @@ def resume_point(learn)->dict|None:
     epoch,it = pos or (None,0)
     if it: _fast_forwarder(learn.dls.train)  # refuse a resume point that no run could continue
     skip = next(cb for cb in learn.cbs if isinstance(cb, SkipToIter))
-    return to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train,
-        setup=run_setup(learn, learn.n_epoch), hypers=learn.opt.hypers, rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders],
+    return dict(to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train, hypers=learn.opt.hypers,
+                              setup=run_setup(learn, learn.n_epoch), meta=_meta())),
+        rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders],  # plain already:
         dl_states=dl_states(learn), modules=module_states(learn.model),
         epoch_rng=skip.epoch_rng if it else None, callbacks=callback_states(learn),
         metric_names=_value_names(learn), plan=fit_plan(learn),
-        grads=_grad_states(learn), meta=_meta()))
+        grads=_grad_states(learn))  # walked once more, these would cost more than the rest of the snapshot
 
 # %% ../nbs/01_learner.ipynb #7426aeea
 _PCTS = (0., .1, .25, .5, .75, .9, 1.)

@@ -39,7 +39,7 @@ def to_plain(o, copy:bool=False): # copy tensors to host memory, detached from t
 # %% ../nbs/00_state.ipynb #f3bf9088
 def _np_plain(s): return [s[0], torch.from_numpy(s[1].astype(np.int64)), *s[2:]]
 def _np_state(s): return (s[0], s[1].numpy().astype(np.uint32), *s[2:])
-def _py_plain(s): return [s[0], torch.tensor(s[1], dtype=torch.int64), s[2]]
+def _py_plain(s): return [s[0], torch.from_numpy(np.array(s[1], dtype=np.int64)), s[2]]
 def _py_state(s): return (s[0], tuple(s[1].tolist()), s[2])
 
 def _random_states()->dict:
@@ -84,7 +84,7 @@ def set_dl_rng_state(dl, s:list|dict|None):
     elif s is not None: dl.rng.setstate(_py_state(s))
 
 # %% ../nbs/00_state.ipynb #4ee0f400
-_registry = {}
+_registry,_registered = {},set()  # the registered classes' functions, by module and name; their names alone (a quick first check)
 
 def register_state(cls:str, # a class's module and name, e.g. 'fastai.text.data.LMDataLoader'
                    state_dict, # `state_dict(o)`: the state of `o` (of that class, or a subclass) as plain values
@@ -92,14 +92,16 @@ def register_state(cls:str, # a class's module and name, e.g. 'fastai.text.data.
                   ):
     "Keep the state of the objects of class `cls` in resume points, without importing `cls`"
     _registry[cls] = (state_dict, load_state_dict)
+    _registered.add(cls.rpartition('.')[2])
 
 def _qualname(c): return f'{c.__module__}.{c.__qualname__}'
 
 def _state_fns(o, own:bool=True):
     "`o`'s `(state_dict, load_state_dict)`: from the most derived class that defines them (with `own`) or has them registered"
     for c in type(o).__mro__:
-        if own and {'state_dict','load_state_dict'} <= set(vars(c)): return vars(c)['state_dict'],vars(c)['load_state_dict']
-        if _qualname(c) in _registry: return _registry[_qualname(c)]
+        d = vars(c)
+        if own and 'state_dict' in d and 'load_state_dict' in d: return d['state_dict'],d['load_state_dict']
+        if c.__name__ in _registered and _qualname(c) in _registry: return _registry[_qualname(c)]
 
 def has_state(o, own:bool=True)->bool:
     "Does `o` keep a state in resume points (its class defines `state_dict` and `load_state_dict`, with `own`, or is registered)?"
