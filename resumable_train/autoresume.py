@@ -13,13 +13,13 @@ from fastcore.basics import store_attr, patch
 from fastcore.foundation import L
 from fastprogress.fastprogress import ConsoleProgressBar, printing
 from fastai.torch_core import rank_distrib
-from fastai.callback.core import Callback, CancelFitException, TrainEvalCallback
+from fastai.callback.core import Callback, CancelFitException
 from functools import partial
 from .files import *
 from .store import *
 from .state import *
 from .learner import *
-from .learner import _position, _restore_streams, _load_through, _read_on_rank0, _group_device, _bypassed, _plan_changes, _is_a, fit_plan
+from .learner import _position, _restore_streams, _load_through, _read_on_rank0, _group_device, _bypassed, _plan_changes, fit_plan
 
 # %% auto #0
 __all__ = ['list_checkpoints', 'newest_valid', 'agree', 'AutoResume']
@@ -298,6 +298,9 @@ def _decide(self:AutoResume, plan):
     self.ends = list(ends[:i])
 
 # %% ../nbs/02_autoresume.ipynb #f3a1c0df
+from fastai.callback.core import TrainEvalCallback
+from .learner import _is_a
+
 class _AutoResumeLook(Callback):
     "Scans `AutoResume`'s run before any other callback's `before_fit`"
     order = TrainEvalCallback.order-1
