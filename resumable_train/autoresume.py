@@ -265,7 +265,7 @@ def _load_end(self:AutoResume, file, plan, i):
 def _decide(self:AutoResume, plan):
     "Skip, resume or start this fit call, from the newest valid resume point of the run (see above)"
     i,now = self.fit_index,self.fits[-1]
-    file,rec,state = self._scan()
+    file,rec,state = self._found()
     if self.unfinished and (file is None or rec.get('fit_index', -1) < i):
         raise CheckpointError(f"AutoResume: fit call {i+1} stopped in this process before it wrote a resume point in {self.folder}, so the "
                               "Learner no longer holds the state that call started from. Build the Learner again and run its fit calls "
@@ -279,7 +279,7 @@ def _decide(self:AutoResume, plan):
     if diff:
         other = '; it ran on another number of processes: AutoResume(elastic=True) continues it on this one' if 'world_size' in diff else ''
         raise _different_run(self.folder, self.fname, '; '.join(f"fit call {i+1} {k}: saved {fits[i].get(k)}, now {now[k]}" for k in diff) + other)
-    if f > i or (f == i and end):
+    if _finished(rec, i):
         name = _name(file) if f == i else ends[i] if i < len(ends) else None
         if name is None: raise _refusal(self.folder, self.fname, f"AutoResume: fit call {i+1} finished in an earlier run, but {file} does not name the file of its end state")
         end_rec = self._load_end(self.store.where(name), plan, i)
@@ -299,6 +299,50 @@ def _decide(self:AutoResume, plan):
         raise _refusal(self.folder, self.fname, f"AutoResume: the newest resume point in {self.folder} is at {_describe(rec)}, but this process "
                        f"has already finished fit call {i}: the files changed while it ran")
     self.ends = list(ends[:i])
+
+# %% ../nbs/02_autoresume.ipynb #f3a1c0df
+from fastai.callback.core import TrainEvalCallback
+from .learner import _is_a
+
+class _AutoResumeLook(Callback):
+    "Scans `AutoResume`'s run before any other callback's `before_fit`"
+    order = TrainEvalCallback.order-1
+    def __init__(self, ar): self.ar = ar
+    def before_fit(self): self.ar._look()
+
+def _finished(rec, i:int)->bool:
+    "Does a resume point with record `rec` say that fit call `i` finished (it is that call's end, or in a later call)?"
+    f = rec.get('fit_index')
+    return f is not None and (f > i or (f == i and rec['epoch'] is None))
+
+@patch
+def _look(self:AutoResume):
+    "Scan the run first; when this fit call finished in an earlier run, switch off its progress bar (fastai switches it on after the fit)"
+    self.found = None
+    if hasattr(self.learn, 'lr_finder') or not getattr(self.learn, '_fitting', False): return
+    try: self.found = self._scan()
+    except Exception as e: self.found = e
+    else:
+        file,rec,_ = self.found
+        if file is not None and _finished(rec, self.done):
+            for cb in self.learn.cbs:
+                if _is_a(cb, 'fastai.callback.progress.ProgressCallback'): cb.run = False
+
+@patch
+def _found(self:AutoResume):
+    "What `_look` found at the start of this fit call (raising the error it met), or a scan now"
+    found,self.found = getattr(self, 'found', None),None
+    if isinstance(found, Exception): raise found
+    return found or self._scan()
+
+def _set_learn(self, learn):
+    "`Learner.add_cb` and `remove_cb` set `learn`: `_AutoResumeLook` comes and goes with `AutoResume`"
+    old,look = self.__dict__.get('_learn'),self.__dict__.setdefault('_look_cb', _AutoResumeLook(self))
+    self.__dict__['_learn'] = learn
+    if old is not None and old is not learn: old.remove_cb(look)
+    if learn is not None and look not in learn.cbs: learn.add_cb(look)
+
+AutoResume.learn = property(lambda self: self.__dict__.get('_learn'), _set_learn)
 
 # %% ../nbs/02_autoresume.ipynb #a43a4e2d
 @patch

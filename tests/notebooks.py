@@ -3,16 +3,17 @@
     python tests/notebooks.py [--update] [--jobs N] [NOTEBOOK ...]     (default: every notebook in nbs/)
 
 Each notebook runs as `nbdev-test` runs it (its `#| eval: false` and `tst_flags` cells left out), in a process of its own: the notebooks
-patch fastai's `Learner` as they run. Its outputs are then normalised (see `normalise`: dates, temporary folders, timings, memory
-addresses) and compared with the outputs kept in the notebook; a notebook whose outputs differ fails, with a diff. With `--update`, the new
-outputs are written into the notebooks instead (then run `nbdev-clean`): `bash tests/run.sh --update-outputs` does both, and is how the
-outputs are regenerated after a change. The outputs of notebooks in `NOT_CHECKED` are written by `--update` but not compared.
+patch fastai's `Learner` as they run. The processes are forked from this one, which imports nbdev's runner and the libraries under fastai
+(torch, pandas, matplotlib, ...) once, so no notebook pays for them; not fastai itself, whose import draws from python's random stream
+(a notebook that imports it draws after the seeding below). Its outputs are then normalised (see `normalise`: dates, temporary folders,
+timings, memory addresses) and compared with the outputs kept in the notebook; a notebook whose outputs differ fails, with a diff. With
+`--update`, the new outputs are written into the notebooks instead (then run `nbdev-clean`): `bash tests/run.sh --update-outputs` does
+both, and is how the outputs are regenerated after a change. The outputs of notebooks in `NOT_CHECKED` are written by `--update` but not compared.
 Progress bars are off (`fastprogress.NO_BAR`): the epoch tables stay, without the bars' timings.
 Each notebook starts with python's, numpy's and torch's random streams seeded (0), with PYTHONHASHSEED=0 and one thread per op, so that
 the numbers it prints are the same in every run on one machine. Nothing is written to disk but the notebooks, and only with `--update`.
 """
-import argparse, difflib, json, os, re, subprocess, sys, time
-from concurrent.futures import ThreadPoolExecutor
+import argparse, difflib, json, os, re, sys, tempfile, time, traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,11 +65,9 @@ def _text(outs)->str:
     return '\n'.join(parts)
 
 def run_one(fn:Path, update:bool)->int:
-    "In a process of its own: run notebook `fn`'s tests, then check or update its outputs; returns the exit status"
+    "In a forked process: run notebook `fn`'s tests, then check or update its outputs; returns the exit status"
     import nbdev.test as T
     from nbdev.config import get_config
-    import warnings
-    warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated')  # fastai's import, not the notebook's concern
     import fastprogress.fastprogress
     fastprogress.fastprogress.NO_BAR = True
     import random, numpy as np, torch
@@ -98,27 +97,48 @@ def run_one(fn:Path, update:bool)->int:
           "`bash tests/run.sh --update-outputs`\n" + '\n'.join(diffs)[-6000:])
     return 1
 
+def _start(nb:Path, update:bool):
+    "Fork a child that runs `run_one(nb, update)`, its output going to a temporary file; returns `(pid, file)`"
+    out = tempfile.TemporaryFile()
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid: return pid, out
+    code = 1
+    try:
+        os.dup2(out.fileno(), 1); os.dup2(out.fileno(), 2)
+        code = run_one(nb, update)
+    except BaseException: traceback.print_exc()
+    finally:
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('notebooks', nargs='*', type=Path)
     p.add_argument('--update', action='store_true', help="write the new outputs into the notebooks")
     p.add_argument('--jobs', type=int, default=2, help="notebooks run at the same time")
-    p.add_argument('--one', action='store_true', help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.one: sys.exit(run_one(a.notebooks[0], a.update))
-    nbs = a.notebooks or sorted((ROOT/'nbs').glob('*.ipynb'))
-    def one(nb):
-        t = time.time()
-        r = subprocess.run([sys.executable, __file__, '--one', str(nb), *(['--update'] if a.update else [])], cwd=ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env=dict(os.environ, PYTHONHASHSEED='0', OMP_NUM_THREADS='1'))
-        return nb, r.returncode, r.stdout, time.time()-t
-    failed = 0
-    with ThreadPoolExecutor(a.jobs) as ex:
-        for nb,rc,out,secs in ex.map(one, sorted(nbs, key=lambda n: -n.stat().st_size)):  # the longest first
-            print(f"{'ok  ' if rc == 0 else 'FAIL'} {nb} ({secs:.0f}s)", flush=True)
-            if rc or a.update: print(out[-8000:], end='', flush=True)
-            failed += rc != 0
+    if (os.environ.get('PYTHONHASHSEED'), os.environ.get('OMP_NUM_THREADS')) != ('0', '1'):  # the forks inherit both from this process
+        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], dict(os.environ, PYTHONHASHSEED='0', OMP_NUM_THREADS='1'))
+    nbs = [n.resolve() for n in a.notebooks] or (ROOT/'nbs').glob('*.ipynb')
+    os.chdir(ROOT)
+    import warnings
+    warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated')  # fastai's import, not the notebooks' concern
+    import nbdev.test, IPython, torch, pandas, matplotlib.pyplot, PIL.Image, fastcore.all, fastprogress.fastprogress  # once, for the forks
+    todo,running,failed = sorted(nbs, key=lambda n: -n.stat().st_size),{},0  # the longest first
+    while todo or running:
+        while todo and len(running) < a.jobs:
+            nb = todo.pop(0)
+            pid,out = _start(nb, a.update)
+            running[pid] = nb,out,time.time()
+        pid,st = os.wait()
+        if pid not in running: continue
+        nb,out,t = running.pop(pid)
+        rc = os.waitstatus_to_exitcode(st)
+        out.seek(0); text = out.read().decode(errors='replace'); out.close()
+        print(f"{'ok  ' if rc == 0 else 'FAIL'} {nb} ({time.time()-t:.0f}s)", flush=True)
+        if rc or a.update: print(text[-8000:], end='', flush=True)
+        failed += rc != 0
     sys.exit(1 if failed else 0)
 
 if __name__ == '__main__': main()

@@ -20,7 +20,9 @@ for m in resumable_train/*.py; do
   n=$(basename "$m" .py); case "$n" in __init__|_modidx) continue;; esac
   grep -lq "default_exp $n\b" nbs/*.ipynb || { echo "FAIL: $m has no notebook (#| default_exp $n)"; exit 1; }
 done
-# The process-level tests run beside the notebooks (each side mostly waits on its own processes); their report is shown at the end.
+# The process-level tests run beside the notebooks, three pytest processes in all: most of those tests wait on processes of their own
+# (kills, timeouts, launchers, a server), so the two cores stay busy. `apart`: the torchrun and process-group tests, in one process from
+# the start; `later`: tests that mostly wait, once the notebooks are done; every other test file in one process from the start.
 # Then the lowest fastai that pyproject.toml admits (2.8.8): its training loop is the one the package checks at import, and of the
 # applications' code only fastai.tabular differs from 2.8.12, so the tabular and collab kill-and-rerun tests run again on it
 # (2.8.8's own vision does not run with this torchvision, with or without the package).
@@ -30,14 +32,18 @@ lowest() {
   echo "== the same tests on fastai $(PYTHONPATH="$PWD/$low:$PYTHONPATH" python -c 'import fastai; print(fastai.__version__)')"
   PYTHONPATH="$PWD/$low:$PYTHONPATH" python -m pytest -q -rs -p no:cacheprovider tests/test_apps.py -k 'tabular or collab'
 }
-{ python -m pytest -q -rs -p no:cacheprovider tests && lowest; } >"$logs/pytest.log" 2>&1 & pytest_pid=$!
+pytest() { n=$1; shift; python -m pytest -q -rs -p no:cacheprovider --basetemp="$logs/tmp$n" "$@" >"$logs/pytest$n.log" 2>&1; }
+apart=(tests/test_multinode.py tests/test_distributed.py tests/test_elastic.py)
+later=(tests/test_remote.py tests/test_cli.py)
+pytest 1 "${apart[@]}" & pytest1_pid=$!
+{ pytest 2 tests "${apart[@]/#/--ignore=}" "${later[@]/#/--ignore=}" && lowest >>"$logs/pytest2.log" 2>&1; } & pytest2_pid=$!
 echo "== docs build (nbdev-proc-nbs)"
 nbdev-proc-nbs >"$logs/proc.log" 2>&1 || { cat "$logs/proc.log"; echo "FAIL: nbdev-proc-nbs: the docs do not build"; exit 1; }
 echo "== notebooks: tests, and outputs current"
 nb_rc=0; python tests/notebooks.py || nb_rc=$?
 echo "== process-level tests"
-py_rc=0; wait $pytest_pid || py_rc=$?
-cat "$logs/pytest.log"
+py_rc=0; pytest 3 "${later[@]}" || py_rc=$?; wait $pytest1_pid || py_rc=$?; wait $pytest2_pid || py_rc=$?
+cat "$logs/pytest1.log" "$logs/pytest2.log" "$logs/pytest3.log"
 echo "== $(( $(date +%s)-start ))s"
 [ $nb_rc = 0 ] || { echo "FAIL: notebooks"; exit 1; }
 [ $py_rc = 0 ] || { echo "FAIL: process-level tests"; exit 1; }

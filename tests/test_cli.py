@@ -44,6 +44,7 @@ def test_demo_resumes_after_sigint(runs):
     assert digest(out) == digest(ref_out), "the interrupted and resumed run ends with the uninterrupted run's weights"
     rc,out = runs['again']
     assert rc == 0 and 'had already finished' in out and digest(out) == digest(ref_out), out[-2000:]
+    assert 'AutoResume: this run already finished' in out and 'train_loss' not in out and '█' not in out, out[-2000:]  # no bar, no table
 
 # What each kind of file is, for `inspect`: (exit status, words its message must hold)
 KINDS = {
