@@ -54,6 +54,7 @@ class SaveBench(Callback):
         vs = list(VARIANTS)
         vs = vs[self.iter % len(vs):] + vs[:self.iter % len(vs)]
         for v in vs:
+            os.sync()  # no writeback of the previous variant's file in flight during this one
             if v == 'steps':
                 for k,x in _steps(self.learn, self.folder).items(): self.times.setdefault(k, []).append(x)
             else: self.times.setdefault(v, []).append(timed(VARIANTS[v], self.learn, self.folder))
@@ -66,7 +67,8 @@ def run(quick=False, device=None, reps=None):
               ['model', 'params', 'state MB', 'Recorder batches', 'bare ms', 'save ms', 'save / bare', 'target ≤ 1.20', 'bare atomic ms', 'save / bare atomic',
                'bare+fsync ms', 'save durable ms', 'durable / (bare+fsync)', 'snapshot ms', 'history ms', 'serialise ms', 'write ms', 'rename ms', 'fsync ms',
                'bare MB', 'save MB', 'size ratio'],
-              [f"median of {reps} saves at successive training batches, variants interleaved (rotated order); Adam state; files in the temp folder",
+              [f"median of {reps} saves at successive training batches, variants interleaved (rotated order), each after `os.sync()` (so that "
+               "no writeback of another variant's file runs during it); Adam state; files in the temp folder",
                "bare: `torch.save({'model': model.state_dict(), 'opt': opt.state_dict()}, f)` (no fsync); save: `learn.save(f, with_iter=True, durable=False)`; "
                "save durable: `durable=True` (fsync of file and folder)",
                "Recorder batches: the Recorder's history of a run that has trained that many batches (a loss and a learning rate each); "
