@@ -3,7 +3,7 @@ import io, os, tempfile, time, torch
 from pathlib import Path
 from fastai.callback.core import Callback, CancelFitException
 from resumable_train.learner import checkpoint, _log_history
-from resumable_train.files import _fsync_dir, _fsync_file, _compact, _log_ref, resume_record, write_checkpoint
+from resumable_train.files import _fsync, _compact, _log_ref, resume_record, write_checkpoint
 from common import *
 
 def _bare(learn, file, fsync=False):
@@ -27,10 +27,10 @@ def _steps(learn, d):
         torch.save(obj, f); f.flush()
         lap('write')
         os.fsync(f.fileno())
-        if _log_ref(rec): _fsync_file(d/'steps.history')
+        if _log_ref(rec): _fsync(d/'steps.history')
         lap('fsync')
     os.replace(d/'.steps.tmp', d/'steps.pth'); lap('rename')
-    _fsync_dir(d); lap('fsync')
+    _fsync(d); lap('fsync')
     if start: start()
     out['write'] -= out['serialise']  # the second torch.save serialised again: what remains is the write itself
     return out

@@ -40,8 +40,9 @@ def resume_record(state:dict):
     opt = state.get('opt') if set(state) == {'model','opt'} else None
     return opt.get('resume') if isinstance(opt, dict) else None
 
-def _fsync_dir(d):
-    fd = os.open(d, os.O_RDONLY)
+def _fsync(p):
+    "fsync the file or folder `p`"
+    fd = os.open(p, os.O_RDONLY)
     try: os.fsync(fd)
     finally: os.close(fd)
 
@@ -67,13 +68,8 @@ def _write_atomic(file, write, durable:bool=True):
         if not isinstance(e, OSError): raise
         left = "the previous file is intact" if file.exists() else "nothing was written"
         raise OSError(e.errno, f"Could not write {file}: {e.strerror or e}; {left}") from e
-    if durable: _fsync_dir(file.parent)
+    if durable: _fsync(file.parent)
     return file
-
-def _fsync_file(file):
-    fd = os.open(file, os.O_RDONLY)
-    try: os.fsync(fd)
-    finally: os.close(fd)
 
 def _compact(o):
     "`o` with each tensor that views part of a larger storage (a growing history) copied out, so that the file holds only its data"
@@ -93,7 +89,7 @@ def write_checkpoint(obj, file, durable:bool=True, pickle_protocol:int=2): # fsy
     if isinstance(rec, dict):
         obj = {**obj, 'opt': {**obj['opt'], 'resume': _compact(rec)}}
         log = _log_ref(rec)
-        if durable and log is not None: _fsync_file(file.parent/log['log'])
+        if durable and log is not None: _fsync(file.parent/log['log'])
     return _write_atomic(file, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol), durable)
 
 
