@@ -3,6 +3,7 @@ import io, os, tempfile, time, torch
 from pathlib import Path
 from fastai.callback.core import Callback, CancelFitException
 from resumable_train.learner import checkpoint, _log_history
+from resumable_train.store import LocalStore
 from resumable_train.files import _fsync, _compact, _log_ref, resume_record, write_checkpoint
 from common import *
 
@@ -18,7 +19,7 @@ def _steps(learn, d):
         nonlocal t
         now = time.perf_counter(); out[k] = out.get(k, 0) + now - t; t = now
     ck = checkpoint(learn); lap('snapshot')
-    start = _log_history(learn, ck, d/'steps.history'); lap('history')
+    start = _log_history(learn, ck, LocalStore(d), 'steps.history'); lap('history')
     rec = resume_record(ck)
     obj = {**ck, 'opt': {**ck['opt'], 'resume': _compact(rec)}}
     with open(os.devnull, 'wb') as f: torch.save(obj, f)

@@ -360,7 +360,7 @@ def _save(self:AutoResume, end:bool=False, # the end of the fit call, which the 
     if rank_distrib(): return self.learn.save(_stem(self.store.where(name)), extra=extra)
     if not self.writer.wait(stopping): return  # before copying: one copy of the state at a time
     ck = checkpoint(self.learn, extra=extra)
-    start = _log_history(self.learn, ck, self.store.where(self.log)) if isinstance(self.store, LocalStore) else None  # appended here: a few rows
+    start = _log_history(self.learn, ck, self.store, self.log)  # appended here: a few rows
     if self.background: ck = self.host_copy = _into(ck, self.host_copy)
     self.writer(partial(self._write, ck, name, start), then=self._prune, background=self.background or stopping is not None)
     self.last_save = time.monotonic()

@@ -16,18 +16,11 @@ __all__ = ['FORMAT_VERSION', 'make_checkpoint', 'resume_record', 'write_checkpoi
            'append_history', 'adopt_history', 'CheckpointError', 'read_checkpoint', 'position_text']
 
 # %% ../nbs/00a_files.ipynb #f023d4f0
-def _pack(xs):
-    "A per-batch history as one tensor (tensors stacked; numbers as float64, which holds python floats exactly), else as it is"
-    if xs and all(isinstance(x, torch.Tensor) and x.shape == xs[0].shape for x in xs): return {'stack': torch.stack(xs)}
-    if xs and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs): return {'float64': torch.tensor(xs, dtype=torch.float64)}
-    return xs
-
 def _unpack(o):
-    "The list `_pack` packed"
+    "The list a packed history (`{'stack': t}`, `{'float64': t}`) holds; a list kept as it is"
     if isinstance(o, dict) and 'stack' in o: return list(o['stack'].unbind())
     if isinstance(o, dict) and 'float64' in o: return o['float64'].tolist()
     return list(o)
-
 
 # %% ../nbs/00a_files.ipynb #78e8d2b8
 FORMAT_VERSION = 3  # 2: every stream at the epoch's start, PyTorch generators, DataLoader and module states, fit plans, the ledger; 3: history logs
@@ -309,8 +302,8 @@ def _check_ref(ref, field='callbacks.recorder.history'):
     _int(ref.get('n'), f'{field}.n', 0); _int(ref.get('bytes'), f'{field}.bytes', len(_LOG_MAGIC))
     if not (isinstance(ref.get('sha256'), str) and re.fullmatch('[0-9a-f]{64}', ref['sha256'])): _fail(f'{field}.sha256', f"is {ref.get('sha256')!r}, not a sha256")
 
-def _parse_log(data:bytes, n:int)->dict:
-    "The histories in the log bytes `data` of `n` rows"
+def _parse_log(data:bytes, n:int)->tuple:
+    "The header and the histories of the log bytes `data` of `n` rows"
     head,_,rows = data[len(_LOG_MAGIC):].partition(b'\n')
     try:
         cols = json.loads(head)
@@ -323,7 +316,7 @@ def _parse_log(data:bytes, n:int)->dict:
     for (k,f,dt,shape),w in zip(kinds, widths):
         out[k] = {f: torch.from_numpy(arr[:, o:o+w].copy()).view(dt).reshape(n, *shape)}
         o += w
-    return out
+    return cols,out
 
 def _resolve_history(rec:dict, file):
     "Put back into the record `rec` read from `file` the history rows it keeps in a log next to `file`; `ValueError` saying what is wrong"
@@ -338,10 +331,10 @@ def _resolve_history(rec:dict, file):
     if len(data) < ref['bytes']: raise ValueError(f"{what}, which is {len(data):,} bytes, shorter than the {ref['bytes']:,} it had then")
     sha = hashlib.sha256(data)
     if sha.hexdigest() != ref['sha256']: raise ValueError(f"{what}, whose first {ref['bytes']:,} bytes were changed since (their sha256 differs)")
-    try: hist = _parse_log(data, n)
+    try: cols,hist = _parse_log(data, n)
     except ValueError as e: raise ValueError(f"{what}, which {e}") from None
     rec['callbacks']['recorder'].update(hist, history=dict(ref, path=str(path)))
-    _read_logs[(str(path), ref['bytes'])] = _Log(path, json.loads(data[len(_LOG_MAGIC):].partition(b'\n')[0]), n, ref['bytes'], sha)
+    _read_logs[(str(path), ref['bytes'])] = _Log(path, cols, n, ref['bytes'], sha)
     while len(_read_logs) > 16: _read_logs.pop(next(iter(_read_logs)))
 
 def adopt_history(ref:dict, # the `history` reference of a record `read_checkpoint` read

@@ -20,9 +20,9 @@ from fastai.learner import Learner, save_model
 from fastcore.xtras import join_path_file
 from .files import *
 from .state import *
-from .files import _stock_safe
+from .files import _stock_safe, _flat
 from .store import LocalStore, is_url, locate
-from .state import _qualname, _history_owner
+from .state import _qualname, _history_owner, _HISTORIES
 
 # %% auto #0
 __all__ = ['fastai_changes', 'check_fastai', 'SeedBatches', 'resume_point', 'fit_plan', 'SkipToIter', 'checkpoint',
@@ -76,7 +76,7 @@ class _Events(Callback):
     def __init__(self): self.zeroed = False  # not known before the first step of the fit
     def __call__(self, event_name):
         self.learn._event = event_name
-        if event_name == 'after_backward': self.zeroed = False
+        if event_name == 'after_backward' or event_name.startswith('after_cancel'): self.zeroed = False  # a cancel may skip `zero_grad`
         elif event_name == 'after_step': self.zeroed = True  # fastai's `zero_grad` follows, a step or a `CancelStepException` alike
 
 @patch
@@ -432,15 +432,15 @@ def _location(learn, file):
     "Where `file` is: an fsspec URL as it is, else in `learn.path/learn.model_dir` as fastai has it; with `.pth` added, as fastai adds it"
     return f"{file}.pth" if is_url(str(file)) else join_path_file(file, learn.path/learn.model_dir, ext='.pth')
 
-def _log_history(learn, ck, log)->callable|None:
-    "Move the Recorder's history in checkpoint `ck` to the log file `log`, appending the rows it lacks; if it cannot, the function that starts the log once `ck` is written"
+def _log_history(learn, ck, store, log:str)->callable|None:
+    "Move the Recorder's history in checkpoint `ck` to the log `log` of a local `store`, appending the rows it lacks; if it cannot, the function that starts the log once `ck` is written"
     rs,r = (resume_record(ck) or {}).get('callbacks', {}).get('recorder'),getattr(learn, 'recorder', None)
-    if r is None or not isinstance(rs, dict) or not all(isinstance(rs.get(k), dict) for k in ('lrs','losses')): return None
-    packed,owner = {k: rs[k] for k in ('lrs','losses')},_history_owner(r)
-    if len({len(next(iter(v.values()))) for v in packed.values()}) != 1: return None  # not a row per batch: kept in the file
+    if not isinstance(store, LocalStore) or r is None or not isinstance(rs, dict) or not all(isinstance(rs.get(k), dict) for k in _HISTORIES): return None
+    packed,owner,log = {k: rs[k] for k in _HISTORIES},_history_owner(r),store.where(log)
+    if len({len(t) for t in _flat(packed)}) != 1: return None  # not a row per batch: kept in the file
     ref = append_history(log, packed, owner)
     if ref is None: return partial(start_history, log, packed, owner)
-    del rs['lrs'], rs['losses']
+    for k in _HISTORIES: del rs[k]
     rs['history'] = ref
 
 def _log_name(name:str)->str: return f"{name.removesuffix('.pth')}.history"
@@ -466,7 +466,7 @@ def save(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
         sd = get_model(self.model).state_dict()  # the two forms of a stock fastai file
         return store.save({'model': sd, 'opt': self.opt.state_dict()} if with_opt and self.opt is not None else sd, name, pickle_protocol=pickle_protocol)
     ck = checkpoint(self, extra=extra)
-    start = _log_history(self, ck, store.where(_log_name(name))) if isinstance(store, LocalStore) else None
+    start = _log_history(self, ck, store, _log_name(name))
     out = store.save(ck, name, durable=durable, pickle_protocol=pickle_protocol)
     if start: start(durable=durable)
     return out

@@ -12,7 +12,7 @@ import numpy as np, torch
 from fastcore.foundation import L
 from fastai.torch_core import get_random_states, set_random_states, num_distrib, rank_distrib, get_model
 from .files import *
-from .files import _pack, _unpack, adopt_history
+from .files import _unpack, adopt_history
 
 # %% auto #0
 __all__ = ['to_plain', 'rng_state', 'set_rng_state', 'dl_rng_state', 'set_dl_rng_state', 'register_state', 'has_state',
@@ -178,7 +178,15 @@ _HISTORIES = ('lrs', 'losses')
 
 _histories = weakref.WeakKeyDictionary()  # each Recorder's `History`s, kept outside it: `learn.export` pickles the Recorder
 
-def _history(r, k)->History: return _histories.setdefault(r, {}).setdefault(k, History())
+def _history(o, k)->History:
+    "The `History` that packs `o`'s per-batch list `k`"
+    return _histories.setdefault(o, {}).setdefault(k, History())
+
+def _unpacked(o, k, packed)->list:
+    "The list `packed` holds, which `o`'s `History` `k` goes on packing from"
+    xs = _unpack(packed)
+    _history(o, k).reset(xs, packed if isinstance(packed, dict) else None)
+    return xs
 def _history_owner(r)->tuple:
     "Who the Recorder `r`'s packed histories are: their `History`s' generations, which change whenever one starts again"
     return tuple(_history(r, k).gen for k in _HISTORIES)
@@ -192,9 +200,7 @@ def _recorder_state(r):
 
 def _set_recorder_state(r, sd):
     _set_vars(r, {k:list(sd[k]) for k in ('iters','values')})
-    for k in _HISTORIES:
-        setattr(r, k, _unpack(sd[k]))
-        _history(r, k).reset(getattr(r, k), sd[k] if isinstance(sd[k], dict) else None)
+    for k in _HISTORIES: setattr(r, k, _unpacked(r, k, sd[k]))
     if 'history' in sd: adopt_history(sd['history'], _history_owner(r))  # the next saves append to the log it was read from
     for m,s in zip(r._train_mets, sd['metrics']): _set_metric_state(m, s)
     if r.smooth_loss.count: r.learn.smooth_loss = r.smooth_loss.value
@@ -205,8 +211,8 @@ register_state('fastai.learner.Recorder', _recorder_state, _set_recorder_state)
 def _tracker_state(cb): return _vars_state(cb, ('best','new_best','wait'))
 register_state('fastai.callback.tracker.TrackerCallback', _tracker_state, _set_vars)
 
-def _scheduler_state(cb): return {'hps': {k:_pack(v) for k,v in cb.hps.items()}}
-def _set_scheduler_state(cb, sd): cb.hps = {k:_unpack(v) for k,v in sd['hps'].items()}
+def _scheduler_state(cb): return {'hps': {k:_history(cb, k).pack(v) for k,v in cb.hps.items()}}  # a value per batch, as the Recorder's
+def _set_scheduler_state(cb, sd): cb.hps = {k:_unpacked(cb, k, v) for k,v in sd['hps'].items()}
 register_state('fastai.callback.schedule.ParamScheduler', _scheduler_state, _set_scheduler_state)
 
 def _accumulation_state(cb): return {'count': cb.count}
