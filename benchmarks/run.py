@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Benchmarks of resumable_train: fast-forward, checkpoint cost, AutoResume overhead, background-write stalls, memory, uploads to S3,
-peers (Accelerate, torch.distributed.checkpoint) in the same run, time from SIGTERM to a durable resume point.
+peers (Accelerate, torch.distributed.checkpoint) in the same run, time from SIGTERM to a durable resume point,
+the command's start-up time.
 
     python benchmarks/run.py            # all, full size (a few minutes); tables printed and kept in benchmarks/results/
     python benchmarks/run.py --quick    # smoke run, seconds
@@ -10,7 +11,7 @@ import argparse, json, sys, time
 from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # these modules, then this checkout's package
 
-NAMES = ('fastforward', 'checkpoint', 'overhead', 'stall', 'memory', 'upload', 'peers', 'sigterm')
+NAMES = ('fastforward', 'checkpoint', 'overhead', 'stall', 'memory', 'upload', 'peers', 'sigterm', 'cli')
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,10 +32,10 @@ def main(argv=None):
         import sigterm
         return print(json.dumps(sigterm.serve(a.sigterm_server[0], int(a.sigterm_server[1]), device=a.device)))
     from common import RESULTS, machine_info
-    import fastforward, checkpoint, overhead, stall, upload, peers, sigterm
+    import fastforward, checkpoint, overhead, stall, upload, peers, sigterm, cli
     out = Path(a.out) if a.out else RESULTS/'quick' if a.quick else RESULTS
     info = machine_info(a.quick, a.device)
-    mods = dict(fastforward=fastforward, checkpoint=checkpoint, overhead=overhead, stall=stall, memory=memory, upload=upload, peers=peers, sigterm=sigterm)
+    mods = dict(fastforward=fastforward, checkpoint=checkpoint, overhead=overhead, stall=stall, memory=memory, upload=upload, peers=peers, sigterm=sigterm, cli=cli)
     for n in a.only:
         t0 = time.perf_counter()
         kw = dict(device=a.device) if n != 'fastforward' else {}

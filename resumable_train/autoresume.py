@@ -6,7 +6,8 @@ Docs: https://resumable-train.github.io/resumable_train/autoresume.html.md"""
 
 # %% ../nbs/02_autoresume.ipynb #d52bcc89
 from __future__ import annotations
-import fcntl, os, re, signal, struct, threading, time, warnings
+import fcntl, io, os, re, signal, struct, sys, threading, time, warnings
+from contextlib import redirect_stdout
 from pathlib import Path
 import torch, torch.distributed as dist
 from fastcore.basics import store_attr, patch
@@ -300,6 +301,34 @@ def _decide(self:AutoResume, plan):
                        f"has already finished fit call {i}: the files changed while it ran")
     self.ends = list(ends[:i])
 
+# %% ../nbs/02_autoresume.ipynb #29f0b071
+_BAR_EVENTS = ('before_fit', 'before_train', 'before_validate')  # the `ProgressCallback` events that start a console bar
+
+def _stray_probe()->bool:
+    "Would fastprogress's encoding probe stay as stray text: stdout is a file or pipe that can show the fill character?"
+    try: return not sys.stdout.isatty() and bool(ConsoleProgressBar.fill.encode(sys.stdout.encoding or 'utf-8'))
+    except (AttributeError, LookupError, UnicodeError, ValueError): return False
+
+class _NoProbe:
+    "The `ProgressCallback` event `event` of `cb`, printing all it prints but fastprogress's encoding probe when that would be stray text"
+    def __init__(self, cb, event): self.cb,self.event = cb,event
+    def __call__(self):
+        f = getattr(type(self.cb), self.event).__get__(self.cb)
+        if not _stray_probe(): return f()
+        out = io.StringIO()
+        try:
+            with redirect_stdout(out): return f()
+        finally: sys.stdout.write(out.getvalue().replace(ConsoleProgressBar.fill+'\r', ''))
+
+def _hide_probes(learn, on:bool=True):
+    "Put `_NoProbe` on (or take it off) the bar-starting events of `learn`'s console `ProgressCallback`s"
+    for cb in learn.cbs:
+        if not _is_a(cb, 'fastai.callback.progress.ProgressCallback'): continue
+        if sys.modules[type(cb).__module__].progress_bar is not ConsoleProgressBar: continue  # a notebook's HTML bar probes nothing
+        for e in _BAR_EVENTS:
+            if on: cb.__dict__.setdefault(e, _NoProbe(cb, e))
+            elif isinstance(cb.__dict__.get(e), _NoProbe): del cb.__dict__[e]
+
 # %% ../nbs/02_autoresume.ipynb #f3a1c0df
 from fastai.callback.core import TrainEvalCallback
 from .learner import _is_a
@@ -320,6 +349,7 @@ def _look(self:AutoResume):
     "Scan the run first; when this fit call finished in an earlier run, switch off its progress bar (fastai switches it on after the fit)"
     self.found = None
     if hasattr(self.learn, 'lr_finder') or not getattr(self.learn, '_fitting', False): return
+    _hide_probes(self.learn)
     try: self.found = self._scan()
     except Exception as e: self.found = e
     else:
@@ -339,7 +369,7 @@ def _set_learn(self, learn):
     "`Learner.add_cb` and `remove_cb` set `learn`: `_AutoResumeLook` comes and goes with `AutoResume`"
     old,look = self.__dict__.get('_learn'),self.__dict__.setdefault('_look_cb', _AutoResumeLook(self))
     self.__dict__['_learn'] = learn
-    if old is not None and old is not learn: old.remove_cb(look)
+    if old is not None and old is not learn: old.remove_cb(look); _hide_probes(old, False)
     if learn is not None and look not in learn.cbs: learn.add_cb(look)
 
 AutoResume.learn = property(lambda self: self.__dict__.get('_learn'), _set_learn)
@@ -465,6 +495,7 @@ def _stop(self:AutoResume, signum):
 @patch
 def _cleanup(self:AutoResume):
     self._restore_handlers()
+    _hide_probes(self.learn, False)
     self.host_copy = None
     if self.added_seed:
         seeds = L(self.learn.cbs).filter(lambda cb: isinstance(cb, SeedBatches))

@@ -6,7 +6,7 @@ Docs: https://resumable-train.github.io/resumable_train/cli.html.md"""
 
 # %% ../nbs/04_cli.ipynb #664fdeba
 from __future__ import annotations
-import argparse, datetime, hashlib, json, sys, time
+import argparse, datetime, hashlib, json, sys, time, warnings
 from pathlib import Path
 import torch
 from torch import nn
@@ -205,6 +205,7 @@ def _ls(a)->int:
 
 # %% ../nbs/04_cli.ipynb #af71e1e5
 def _demo(a)->int:
+    warnings.filterwarnings('ignore', r'`torch\.jit\.script` is deprecated', FutureWarning)  # printed by importing fastai, not ours to act on
     from fastai.callback.core import Callback
     from resumable_train.autoresume import AutoResume
     class _Pause(Callback):
