@@ -2,6 +2,7 @@
 import io, os, tempfile, time, torch
 from pathlib import Path
 from fastai.callback.core import Callback, CancelFitException
+import fastai.callback.schedule  # noqa: F401 (fit_one_cycle)
 from resumable_train.learner import checkpoint, _log_history
 from resumable_train.store import LocalStore
 from resumable_train.files import _fsync, _compact, _log_ref, resume_record, write_checkpoint
@@ -48,10 +49,11 @@ class SaveBench(Callback):
     def __init__(self, folder, reps, history=0): self.folder,self.reps,self.history,self.times = Path(folder),reps,history,{}
     def after_batch(self):
         if not self.training: return
-        if self.history and self.iter == 0:  # what the Recorder holds after `history` batches of a long run
+        if self.history and self.iter == 0:  # what the Recorder (and a scheduler) hold after `history` batches of a long run
             r = self.learn.recorder
             r.losses += [torch.tensor(1/(i+1)) for i in range(self.history)]
             r.lrs += [1e-3]*self.history
+            for k,v in getattr(getattr(self.learn, 'param_scheduler', None), 'hps', {}).items(): v += [1e-3 if k == 'lr' else .9]*self.history
         vs = list(VARIANTS)
         vs = vs[self.iter % len(vs):] + vs[:self.iter % len(vs)]
         for v in vs:
@@ -63,32 +65,34 @@ class SaveBench(Callback):
 
 def run(quick=False, device=None, reps=None):
     reps = reps or (1 if quick else 5)
-    cases = [('small', 0), ('small', 1000)] if quick else [('small', 0), ('small', 100_000), ('medium', 0), ('large', 0)]
+    cases = ([('small', 0, 'fit'), ('small', 1000, 'fit_one_cycle')] if quick else
+             [('small', 0, 'fit'), ('small', 100_000, 'fit'), ('small', 100_000, 'fit_one_cycle'), ('medium', 0, 'fit'), ('large', 0, 'fit')])
     t = Table('checkpoint', '2. Checkpoint cost: learn.save(with_iter=True) inside fit vs bare torch.save of model+opt state dicts',
-              ['model', 'params', 'state MB', 'Recorder batches', 'bare ms', 'save ms', 'save / bare', 'target ≤ 1.20', 'bare atomic ms', 'save / bare atomic',
+              ['model', 'params', 'state MB', 'fit', 'history batches', 'bare ms', 'save ms', 'save / bare', 'target ≤ 1.20', 'bare atomic ms', 'save / bare atomic',
                'bare+fsync ms', 'save durable ms', 'durable / (bare+fsync)', 'snapshot ms', 'history ms', 'serialise ms', 'write ms', 'rename ms', 'fsync ms',
                'bare MB', 'save MB', 'size ratio'],
               [f"median of {reps} saves at successive training batches, variants interleaved (rotated order), each after `os.sync()` (so that "
                "no writeback of another variant's file runs during it); Adam state; files in the temp folder",
                "bare: `torch.save({'model': model.state_dict(), 'opt': opt.state_dict()}, f)` (no fsync); save: `learn.save(f, with_iter=True, durable=False)`; "
                "save durable: `durable=True` (fsync of file and folder)",
-               "Recorder batches: the Recorder's history of a run that has trained that many batches (a loss and a learning rate each); "
-               "the resume point appends the rows since the last save to the history log next to it (the bare save keeps no history)",
+               "history batches: the per-batch history of a run that has trained that many batches: the Recorder's loss and learning rate, "
+               "and with `fit_one_cycle` its `ParamScheduler`'s lr and mom; the resume point appends the rows since the last save to the "
+               "history log next to it (the bare save keeps no history)",
                "bare atomic: the bare save written as every resume point is, to a temporary file renamed over the target (`write_checkpoint`, "
                "not durable): on ext4, renaming over an existing file makes the kernel allocate the new file's blocks at once (auto_da_alloc)",
                "snapshot … fsync: a durable save timed step by step, as learn.save takes them: snapshot (`checkpoint`: resume point, state "
                "dicts), history (rows appended to the log), serialise (`torch.save` to /dev/null: pickling, checksums, zip records), write "
                "(`torch.save` to the temporary file, less serialise), rename (over the previous file), fsync (file, history log, folder)"])
-    for size,hist in cases:
+    for size,hist,fit in cases:
         with tempfile.TemporaryDirectory(prefix='bench-ckpt-') as d:
             learn = make_learner(reps+1, bs=8, size=size, device=device, path=d)
             sb = SaveBench(d, reps, hist)
-            learn.fit(1, cbs=sb)
+            getattr(learn, fit)(1, cbs=sb)
             m = {v: med(xs) for v,xs in sb.times.items()}
             sz = {n: os.path.getsize(Path(d)/f'{n}.pth') for n in ('bare', 'save')}
-            t.add(size, f"{n_params(learn.model):,}", mb(state_bytes(learn)), f"{hist:,}", ms(m['bare']), ms(m['save']), ratio(m['save'], m['bare']),
+            t.add(size, f"{n_params(learn.model):,}", mb(state_bytes(learn)), fit, f"{hist:,}", ms(m['bare']), ms(m['save']), ratio(m['save'], m['bare']),
                   'met' if m['save'] <= 1.2*m['bare'] else 'NOT met', ms(m['bare atomic']), ratio(m['save'], m['bare atomic']), ms(m['bare+fsync']), ms(m['save durable']),
                   ratio(m['save durable'], m['bare+fsync']), *[ms(m[k]) for k in ('snapshot', 'history', 'serialise', 'write', 'rename', 'fsync')],
                   mb(sz['bare']), mb(sz['save']), ratio(sz['save'], sz['bare']))
-            t.raw[f'{size}/{hist}'] = dict(sb.times, sizes=sz)
+            t.raw[f'{size}/{hist}/{fit}'] = dict(sb.times, sizes=sz)
     return t

@@ -396,7 +396,7 @@ def _save(self:AutoResume, end:bool=False, # the end of the fit call, which the 
     self.last_save = time.monotonic()
 
 @patch(as_prop=True)
-def log(self:AutoResume)->str: return f'{self.fname}-fit{self.fit_index+1}.history'  # the Recorder's history of the fit call
+def log(self:AutoResume)->str: return f'{self.fname}-fit{self.fit_index+1}.history'  # the per-batch history of the fit call
 
 @patch
 def _write(self:AutoResume, ck, name, start=None):

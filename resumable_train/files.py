@@ -267,7 +267,7 @@ class _Log:
 _logs,_read_logs = {},{}  # the logs this process appends to, by path; the log prefixes it read and checked, by (path, bytes)
 
 def start_history(path, # the log file, in the folder of the checkpoints that refer to it
-                  packed:dict, # the histories, as `History.pack` gives them: `{'lrs': {'float64': t}, 'losses': {'stack': t}}`
+                  packed:dict, # the histories by their path among the callbacks' states, as `History.pack` gives them: `{'recorder/lrs': {'float64': t}, 'recorder/losses': {'stack': t}}`
                   owner, # who appends to it: `append_history` appends only for the same owner
                   durable:bool=True):
     "Write the history log `path` anew with every row of `packed`"
@@ -318,13 +318,19 @@ def _parse_log(data:bytes, n:int)->tuple:
         o += w
     return cols,out
 
+def _put(d:dict, path:list, v):
+    "Set `v` at `path` in the nested dicts `d`, whose first key must be there (a callback of the record)"
+    if not isinstance(d.get(path[0]), dict): raise ValueError(f"has a column {'/'.join(path)!r} for a callback the resume record does not have")
+    for k in path[:-1]: d = d.setdefault(k, {})
+    d[path[-1]] = v
+
 def _resolve_history(rec:dict, file):
     "Put back into the record `rec` read from `file` the history rows it keeps in a log next to `file`; `ValueError` saying what is wrong"
     ref = _log_ref(rec)
     if ref is None: return
     _check_ref(ref)
     path,n = (Path(file).parent/ref['log']).absolute(),ref['n']
-    what = f"keeps the Recorder's history of its {n:,} batches in {ref['log']}"
+    what = f"keeps the history of its {n:,} batches (learning rates, losses, scheduled hyperparameters) in {ref['log']}"
     try:
         with open(path, 'rb') as f: data = f.read(ref['bytes'])
     except FileNotFoundError: raise ValueError(f"{what}, which is not in {path.parent}: copy it along with the checkpoint") from None
@@ -333,16 +339,17 @@ def _resolve_history(rec:dict, file):
     if sha.hexdigest() != ref['sha256']: raise ValueError(f"{what}, whose first {ref['bytes']:,} bytes were changed since (their sha256 differs)")
     try: cols,hist = _parse_log(data, n)
     except ValueError as e: raise ValueError(f"{what}, which {e}") from None
-    rec['callbacks']['recorder'].update(hist, history=dict(ref, path=str(path)))
+    for k,v in hist.items(): _put(rec['callbacks'], k.split('/'), v)
+    rec['callbacks']['recorder']['history'] = dict(ref, path=str(path))
     _read_logs[(str(path), ref['bytes'])] = _Log(path, cols, n, ref['bytes'], sha)
     while len(_read_logs) > 16: _read_logs.pop(next(iter(_read_logs)))
 
 def adopt_history(ref:dict, # the `history` reference of a record `read_checkpoint` read
-                  owner): # the histories that go on from that record's
-    "Let `owner` append to the log that the record with `ref` was read from, as it was then"
+                  owner:callable): # the owner of the histories that go on from that record's, given the log's column names
+    "Let the histories that go on from the record with `ref` append to the log it was read from, as it was then"
     lg = _read_logs.pop((ref.get('path'), ref.get('bytes')), None)
     if lg is None or lg.sha.hexdigest() != ref.get('sha256'): return  # read elsewhere (another node's copy, sent over): not this file
-    lg.owner = owner
+    lg.owner = owner([c[0] for c in lg.columns])
     _logs[str(lg.path)] = lg
 
 # %% ../nbs/00a_files.ipynb #1b71ade7
@@ -396,7 +403,7 @@ _stock_safe = [L, np.dtype, *[getattr(np.dtypes, n) for n in np.dtypes.__all__]]
 def read_checkpoint(file, map_location='cpu',
                     mmap:bool=False, # map the tensors from the file instead of reading them into memory (enough to look at the record)
                     name=None, # what messages call the file (a remote store's URL for a downloaded copy); `file` by default
-                    history:bool=True, # read the Recorder's history from its log (a resume needs it; the weights alone do not)
+                    history:bool=True, # read the per-batch history from its log (a resume needs it; the weights alone do not)
                    )->dict:
     "Load `file` with `weights_only=True`, raising `CheckpointError` that says what is wrong with it"
     file = Path(file)

@@ -22,7 +22,7 @@ from .files import *
 from .state import *
 from .files import _stock_safe, _flat
 from .store import LocalStore, is_url, locate
-from .state import _qualname, _history_owner, _HISTORIES
+from .state import _qualname, _logged_histories
 
 # %% auto #0
 __all__ = ['fastai_changes', 'check_fastai', 'SeedBatches', 'resume_point', 'fit_plan', 'SkipToIter', 'checkpoint',
@@ -73,9 +73,10 @@ _fastai = {n: getattr(getattr(Learner, n), '_fastai', getattr(Learner, n))
 class _Events(Callback):
     "Note which event is running in `learn._event`, before any other callback sees it; and whether the gradients are as `zero_grad` left them"
     order = -math.inf
-    def __init__(self): self.zeroed = False  # not known before the first step of the fit
+    def __init__(self): self.zeroed,self.plan = False,None  # not known before the first step of the fit; `fit_plan`, once a fit call
     def __call__(self, event_name):
         self.learn._event = event_name
+        if event_name == 'before_fit': self.plan = None
         if event_name == 'after_backward' or event_name.startswith('after_cancel'): self.zeroed = False  # a cancel may skip `zero_grad`
         elif event_name == 'after_step': self.zeroed = True  # fastai's `zero_grad` follows, a step or a `CancelStepException` alike
 
@@ -244,9 +245,11 @@ class SeedBatches(Callback):
 # %% ../nbs/01_learner.ipynb #5f9cde89
 def _grad_state(p, zeroed=False): return None if p.grad is None else 0 if zeroed or not p.grad.any() else p.grad
 
+def _events(learn)->_Events|None: return next((cb for cb in learn.cbs if isinstance(cb, _Events)), None)
+
 def _grad_states(learn)->list:
     "The model's gradients as `_set_grad` takes them: `None`, 0 (zeros) or the values"
-    ev = next((cb for cb in learn.cbs if isinstance(cb, _Events)), None)
+    ev = _events(learn)
     zeroed = {id(p) for p,*_ in learn.opt.all_params()} if ev is not None and ev.zeroed else set()  # what `zero_grad` zeroed
     return [_grad_state(p, id(p) in zeroed) for p in learn.model.parameters()]
 def _set_grad(p, g): p.grad = None if g is None else torch.zeros_like(p) if isinstance(g, int) else g.to(p.device)
@@ -264,6 +267,8 @@ def _restore_streams(learn, rec, dls=True):
     "Give `learn`'s callbacks and modules their states and put the random streams (and, with `dls`, the DataLoaders') back as `rec` holds them"
     _make_lazy_state(learn)  # its draws happened before `rec` was saved: they must not shift the restored streams
     load_callback_states(learn, rec['callbacks'])
+    ref = _at(rec['callbacks'], ('recorder', 'history'))
+    if ref: adopt_history(ref, partial(_log_owner, learn))  # the next saves append to the log it was read from
     load_module_states(learn.model, rec.get('modules', {}))
     if dls: _restore_dls(learn, rec)
     set_rng_state(rec['rng'])
@@ -300,7 +305,7 @@ def resume_point(learn)->dict|None:
         rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders],  # plain already:
         dl_states=dl_states(learn), modules=module_states(learn.model),
         epoch_rng=skip.epoch_rng if it else None, callbacks=callback_states(learn),
-        metric_names=_value_names(learn), plan=fit_plan(learn),
+        metric_names=_value_names(learn), plan=_fit_plan_once(learn),
         grads=_grad_states(learn))  # walked once more, these would cost more than the rest of the snapshot
 
 # %% ../nbs/01_learner.ipynb #7426aeea
@@ -326,6 +331,13 @@ def fit_plan(learn)->dict:
     scheds = {k: [to_plain(f(p)) for p in _PCTS] for k,f in (sched.scheds.items() if sched else [])}
     hypers = [{k:v for k,v in h.items() if k not in scheds} for h in (learn.opt.hypers if learn.opt is not None else [])]
     return to_plain(dict(schedule=scheds, hypers=hypers, loss=_settings(learn.loss_func), opt=_settings(learn.opt_func)))
+
+def _fit_plan_once(learn)->dict:
+    "`fit_plan` of the running fit call, worked out at its first resume point: evaluating the schedules costs more than the rest of a snapshot"
+    ev = _events(learn)
+    if ev is None: return fit_plan(learn)
+    if ev.plan is None: ev.plan = fit_plan(learn)
+    return ev.plan
 
 def _nums(v): return torch.as_tensor(v, dtype=torch.float64).flatten() if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else None
 
@@ -432,16 +444,33 @@ def _location(learn, file):
     "Where `file` is: an fsspec URL as it is, else in `learn.path/learn.model_dir` as fastai has it; with `.pth` added, as fastai adds it"
     return f"{file}.pth" if is_url(str(file)) else join_path_file(file, learn.path/learn.model_dir, ext='.pth')
 
+def _at(d, path):
+    "The value at `path` in nested dicts `d`, or `None`"
+    for k in path: d = d.get(k) if isinstance(d, dict) else None
+    return d
+
+def _n_rows(packed:dict)->int: return len(next(iter(packed.values())))
+
+def _log_owner(learn, names)->tuple:
+    "Who the histories in the log columns `names` are: their `History`s' generations, which change whenever one starts again"
+    hs = _logged_histories(learn)
+    return tuple(getattr(hs.get(tuple(n.split('/'))), 'gen', None) for n in names)
+
 def _log_history(learn, ck, store, log:str)->callable|None:
-    "Move the Recorder's history in checkpoint `ck` to the log `log` of a local `store`, appending the rows it lacks; if it cannot, the function that starts the log once `ck` is written"
-    rs,r = (resume_record(ck) or {}).get('callbacks', {}).get('recorder'),getattr(learn, 'recorder', None)
-    if not isinstance(store, LocalStore) or r is None or not isinstance(rs, dict) or not all(isinstance(rs.get(k), dict) for k in _HISTORIES): return None
-    packed,owner,log = {k: rs[k] for k in _HISTORIES},_history_owner(r),store.where(log)
-    if len({len(t) for t in _flat(packed)}) != 1: return None  # not a row per batch: kept in the file
+    "Move the per-batch histories in checkpoint `ck` (the Recorder's, a `ParamScheduler`'s) to the log `log` of a local `store`, appending the rows it lacks; if it cannot, the function that starts the log once `ck` is written"
+    cbs = (resume_record(ck) or {}).get('callbacks')
+    if not isinstance(store, LocalStore) or not isinstance(cbs, dict): return None
+    packed = {p: v for p in _logged_histories(learn) if isinstance(v := _at(cbs, p), dict)}
+    if ('recorder', 'lrs') not in packed: return None
+    n = _n_rows(packed[('recorder', 'lrs')])
+    packed = {'/'.join(p): v for p,v in packed.items() if _n_rows(v) == n}  # a row per batch in the log; any other history stays in the file
+    owner,log = _log_owner(learn, packed),store.where(log)
     ref = append_history(log, packed, owner)
     if ref is None: return partial(start_history, log, packed, owner)
-    for k in _HISTORIES: del rs[k]
-    rs['history'] = ref
+    for name in packed:
+        *up,k = name.split('/')
+        del _at(cbs, up)[k]
+    cbs['recorder']['history'] = ref
 
 def _log_name(name:str)->str: return f"{name.removesuffix('.pth')}.history"
 

@@ -12,7 +12,7 @@ import numpy as np, torch
 from fastcore.foundation import L
 from fastai.torch_core import get_random_states, set_random_states, num_distrib, rank_distrib, get_model
 from .files import *
-from .files import _unpack, adopt_history
+from .files import _unpack
 
 # %% auto #0
 __all__ = ['to_plain', 'rng_state', 'set_rng_state', 'dl_rng_state', 'set_dl_rng_state', 'register_state', 'has_state',
@@ -187,9 +187,9 @@ def _unpacked(o, k, packed)->list:
     xs = _unpack(packed)
     _history(o, k).reset(xs, packed if isinstance(packed, dict) else None)
     return xs
-def _history_owner(r)->tuple:
-    "Who the Recorder `r`'s packed histories are: their `History`s' generations, which change whenever one starts again"
-    return tuple(_history(r, k).gen for k in _HISTORIES)
+def _logged_histories(learn)->dict:
+    "The `History`s of `learn`'s callbacks, by their path in `callback_states`: `('recorder', 'lrs')`, `('param_scheduler', 'hps', 'lr')`"
+    return {(key, *((k,) if isinstance(k, str) else k)): h for key,cb in _keyed_callbacks(learn).items() for k,h in _histories.get(cb, {}).items()}
 
 def _recorder_state(r):
     "History, smoothed loss and running training metrics"
@@ -201,7 +201,6 @@ def _recorder_state(r):
 def _set_recorder_state(r, sd):
     _set_vars(r, {k:list(sd[k]) for k in ('iters','values')})
     for k in _HISTORIES: setattr(r, k, _unpacked(r, k, sd[k]))
-    if 'history' in sd: adopt_history(sd['history'], _history_owner(r))  # the next saves append to the log it was read from
     for m,s in zip(r._train_mets, sd['metrics']): _set_metric_state(m, s)
     if r.smooth_loss.count: r.learn.smooth_loss = r.smooth_loss.value
 
@@ -211,8 +210,8 @@ register_state('fastai.learner.Recorder', _recorder_state, _set_recorder_state)
 def _tracker_state(cb): return _vars_state(cb, ('best','new_best','wait'))
 register_state('fastai.callback.tracker.TrackerCallback', _tracker_state, _set_vars)
 
-def _scheduler_state(cb): return {'hps': {k:_history(cb, k).pack(v) for k,v in cb.hps.items()}}  # a value per batch, as the Recorder's
-def _set_scheduler_state(cb, sd): cb.hps = {k:_unpacked(cb, k, v) for k,v in sd['hps'].items()}
+def _scheduler_state(cb): return {'hps': {k:_history(cb, ('hps', k)).pack(v) for k,v in cb.hps.items()}}  # a value per batch, as the Recorder's
+def _set_scheduler_state(cb, sd): cb.hps = {k:_unpacked(cb, ('hps', k), v) for k,v in sd['hps'].items()}
 register_state('fastai.callback.schedule.ParamScheduler', _scheduler_state, _set_scheduler_state)
 
 def _accumulation_state(cb): return {'count': cb.count}

@@ -60,7 +60,7 @@ KINDS = {
     'other.pth': (2, ["holds a dictionary (keys 'model', 'epoch') that is neither a fastai checkpoint"]),
     'cut.pth': (2, ['is truncated']),
     'list.pth': (2, ['holds a list']),
-    'nolog/resume.pth': (2, ["keeps the Recorder's history", 'autoresume-fit1.history, which is not in', 'with_iter=False']),
+    'nolog/resume.pth': (2, ['keeps the history of its', 'autoresume-fit1.history, which is not in', 'with_iter=False']),
 }
 
 @pytest.fixture(scope='module')
