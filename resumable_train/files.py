@@ -6,7 +6,7 @@ Docs: https://resumable-train.github.io/resumable_train/files.html.md"""
 
 # %% ../nbs/00a_files.ipynb #a214dd43
 from __future__ import annotations
-import hashlib, json, math, os, pickle, re, secrets, tempfile, warnings, zipfile
+import ctypes, hashlib, json, math, os, pickle, re, secrets, sys, tempfile, warnings, zipfile
 from pathlib import Path
 import numpy as np, torch
 from fastcore.foundation import L
@@ -46,6 +46,23 @@ def _new_tmp(file):
         try: return tmp, os.open(tmp, os.O_WRONLY|os.O_CREAT|os.O_EXCL|getattr(os, 'O_CLOEXEC', 0), 0o666)
         except FileExistsError: continue
 
+def _renameat2():
+    "The C library's `renameat2` (Linux), or `None`"
+    try: f = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError): return None
+    f.argtypes,f.restype = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint],ctypes.c_int
+    return f
+
+_renameat2 = _renameat2() if sys.platform.startswith('linux') else None
+_AT_FDCWD,_RENAME_EXCHANGE = -100,2
+
+def _swap_in(tmp:Path, file:Path)->bool:
+    "Exchange `tmp` and an existing `file` atomically, then remove `tmp` (now the old file); `False` where the system cannot"
+    if _renameat2 is None or _renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(file), _RENAME_EXCHANGE) != 0: return False
+    try: tmp.unlink()
+    except OSError: pass  # a temporary file, which no loader reads, holds the old data
+    return True
+
 def _write_atomic(file, write, durable:bool=True):
     "Call `write(f)` on a temporary file next to `file`, then rename it to `file`; with `durable`, fsync the file and the folder"
     file,tmp = Path(file),None
@@ -55,7 +72,7 @@ def _write_atomic(file, write, durable:bool=True):
             write(f)
             f.flush()
             if durable: os.fsync(f.fileno())
-        os.replace(tmp, file)
+        if durable or not _swap_in(tmp, file): os.replace(tmp, file)  # swapped: no flush that ext4 starts when a rename replaces a file
     except BaseException as e:
         if tmp is not None: tmp.unlink(missing_ok=True)
         if not isinstance(e, OSError): raise
