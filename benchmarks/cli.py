@@ -36,7 +36,7 @@ def run(quick=False, reps=None, device=None):
             ks = list(cmds); random.shuffle(ks)
             for k in ks: times[k].append(_secs(cmds[k]))
     base = med(times[next(iter(cmds))])
-    t = Table('cli', "The command: seconds from start to exit, each a fresh process, against importing torch and loading the file",
+    t = Table('cli', "9. The command: seconds from start to exit, each a fresh process, against importing torch and loading the file",
               ['command', 'median s', 'max s', '× torch.load'],
               [f"{reps} repetitions in shuffled order; the file is a small model's resume point written by `learn.save` mid-epoch",
                "`inspect`, `ls` and `--help` import torch but not fastai; `import fastai.learner` is shown for scale"])

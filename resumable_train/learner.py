@@ -325,10 +325,14 @@ def _is_a(o, cls:str)->bool:
     "Is `o` an instance of the class named `cls` (module and name), without importing it?"
     return any(_qualname(c) == cls for c in type(o).__mro__)
 
+def _number(v):
+    "A schedule's value as python numbers (fastai's schedules give tensors, each of which would be one more record in the file)"
+    return v.tolist() if isinstance(v, (torch.Tensor, np.ndarray)) else to_plain(v)
+
 def fit_plan(learn)->dict:
     "What the running fit call was asked to do beyond its setup: hyperparameters and their schedules, loss function, optimizer"
     sched = next((cb for cb in learn.cbs if _is_a(cb, 'fastai.callback.schedule.ParamScheduler')), None)
-    scheds = {k: [to_plain(f(p)) for p in _PCTS] for k,f in (sched.scheds.items() if sched else [])}
+    scheds = {k: [_number(f(p)) for p in _PCTS] for k,f in (sched.scheds.items() if sched else [])}
     hypers = [{k:v for k,v in h.items() if k not in scheds} for h in (learn.opt.hypers if learn.opt is not None else [])]
     return to_plain(dict(schedule=scheds, hypers=hypers, loss=_settings(learn.loss_func), opt=_settings(learn.opt_func)))
 
@@ -339,7 +343,10 @@ def _fit_plan_once(learn)->dict:
     if ev.plan is None: ev.plan = fit_plan(learn)
     return ev.plan
 
-def _nums(v): return torch.as_tensor(v, dtype=torch.float64).flatten() if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool) else None
+def _numeric(v): return isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool)
+def _nums(v):
+    "A number, tensor or list of numbers (a value per parameter group) as a flat float64 tensor; `None` for anything else"
+    return torch.as_tensor(v, dtype=torch.float64).flatten() if _numeric(v) or (isinstance(v, list) and v and all(map(_numeric, v))) else None
 
 def _same(a, b):
     "Equal values; numbers equal whether a scalar, a one-group array or one value per group (`lr_max=1e-2` or `array([1e-2])`)"
