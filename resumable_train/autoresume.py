@@ -324,7 +324,7 @@ def _hide_probes(learn, on:bool=True):
     "Put `_NoProbe` on (or take it off) the bar-starting events of `learn`'s console `ProgressCallback`s"
     for cb in learn.cbs:
         if not _is_a(cb, 'fastai.callback.progress.ProgressCallback'): continue
-        if sys.modules[type(cb).__module__].progress_bar is not ConsoleProgressBar: continue  # a notebook's HTML bar probes nothing
+        if getattr(sys.modules.get('fastai.callback.progress'), 'progress_bar', None) is not ConsoleProgressBar: continue  # a notebook's HTML bar probes nothing
         for e in _BAR_EVENTS:
             if on: cb.__dict__.setdefault(e, _NoProbe(cb, e))
             elif isinstance(cb.__dict__.get(e), _NoProbe): del cb.__dict__[e]
