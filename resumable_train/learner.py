@@ -112,10 +112,11 @@ def _switch_streams(gen, now):
     if gen is not None: gen.set_state(torch.get_rng_state())
     set_rng_state(now)
 
-def _ff_idxs(get_idxs, n, gen, now):
+def _ff_idxs(get_idxs, n, gen, now, keep:list):
     "The epoch's order from `get_idxs` without its first `n` indices, drawn from the epoch's streams before switching to `now`"
     idxs = get_idxs()
     _switch_streams(gen, now)
+    keep.append(idxs)  # the whole order lives until the epoch ends, as a fresh epoch's does: freeing it here delays the first batch
     return _drop_first(idxs, n)
 
 class _FastForward(GetAttr):
@@ -135,7 +136,7 @@ class _FastForward(GetAttr):
     def __iter__(self):
         dl,now = self.dl,self._from_start()
         gen = None if now is None else torch.Generator()
-        old_dl = _patch_attrs(dl, get_idxs=partial(_ff_idxs, dl.get_idxs, self._first_iter*(dl.bs or 1), gen, now), _first_iter=self._first_iter)
+        old_dl = _patch_attrs(dl, get_idxs=partial(_ff_idxs, dl.get_idxs, self._first_iter*(dl.bs or 1), gen, now, []), _first_iter=self._first_iter)
         old_fake = _patch_attrs(dl.fake_l, generator=gen)
         try: yield from dl
         finally: _unpatch_attrs(dl, old_dl); _unpatch_attrs(dl.fake_l, old_fake)
