@@ -6,7 +6,7 @@ Docs: https://resumable-train.github.io/resumable_train/distributed.html.md"""
 
 # %% ../nbs/03_distributed.ipynb #fedd3fbd
 from __future__ import annotations
-import os, time, datetime, contextlib
+import atexit, os, time, datetime, contextlib
 import numpy as np, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import GetAttr, patch
@@ -41,7 +41,12 @@ def init_distributed(timeout:float=600, # seconds a rank waits for the others in
     if cuda: torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
     store,rank,world_size = _store(td)
     dist.init_process_group('nccl' if cuda else 'gloo', store=store, rank=rank, world_size=world_size, timeout=td)
+    atexit.register(_leave_group)
     return True
+
+def _leave_group():
+    "Leave the process group `init_distributed` joined, before the interpreter exits"
+    if _group(): dist.destroy_process_group()  # left to the interpreter's exit, gloo's threads can abort the process after a finished run
 
 # %% ../nbs/03_distributed.ipynb #ecc87386
 class _ShardDL(DataLoader):

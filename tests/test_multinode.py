@@ -56,7 +56,7 @@ def assert_same(reference, results):
         assert not d and ref['train_iter'] == got['train_iter'], d[:5]
 
 def test_two_nodes_no_shared_folder(tmp_path, reference):
-    "Lose the node with rank 0 mid-epoch; the other fails with the clear error; relaunch both the other way round: rank 0 is now on the node without resume points"
+    "Lose the node with rank 0 mid-epoch; the other fails with a clear error; relaunch both the other way round: rank 0 is now on the node without resume points"
     outs = [tmp_path/'node_a', tmp_path/'node_b']
     ps = launch_both(outs, '--tag', 'a', '--sleep', '0.3', '--mark-at', '6')
     try:
@@ -70,8 +70,13 @@ def test_two_nodes_no_shared_folder(tmp_path, reference):
         rc,o,e = finish(ps[1-lost], TIMEOUT + 60)
         secs = time.monotonic() - t
         err = logs(outs[1-lost])
-        assert rc != 0 and 'DistributedTrainer: rank 1 of 2 could not' in err, (rc, e[-3000:], err[-3000:])
-        print(f"the surviving node's launcher exited {secs:.1f}s after the other node was killed")
+        ours = 'DistributedTrainer: rank 1 of 2 could not' in err
+        # the lost node hosted the rendezvous store, which the surviving launcher looks at about once a second: when it looks before its
+        # worker reaches the next collective, torchrun stops the worker before it can say what happened (a race within torchrun;
+        # test_distributed checks the worker's message). Either way the node fails, at once, and the relaunch below continues exactly
+        assert rc != 0, (rc, e[-3000:], err[-3000:])
+        print(f"the surviving node's launcher exited {secs:.1f}s after the other node was killed, "
+              f"{'its worker saying what happened' if ours else 'torchrun stopping its worker first (the rendezvous store is gone)'}")
         assert secs < TIMEOUT + 30
     finally:
         for p in ps: kill_group(p)
