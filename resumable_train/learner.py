@@ -20,7 +20,7 @@ from fastai.learner import Learner, save_model
 from fastcore.xtras import join_path_file
 from .files import *
 from .state import *
-from .files import _stock_safe, _flat
+from .files import _stock_safe, _log_ref
 from .store import LocalStore, is_url, locate
 from .state import _qualname, _logged_histories
 
@@ -268,8 +268,8 @@ def _restore_streams(learn, rec, dls=True):
     "Give `learn`'s callbacks and modules their states and put the random streams (and, with `dls`, the DataLoaders') back as `rec` holds them"
     _make_lazy_state(learn)  # its draws happened before `rec` was saved: they must not shift the restored streams
     load_callback_states(learn, rec['callbacks'])
-    ref = _at(rec['callbacks'], ('recorder', 'history'))
-    if ref: adopt_history(ref, partial(_log_owner, learn))  # the next saves append to the log it was read from
+    ref = _log_ref(rec)
+    if ref: adopt_history(ref, lambda names: _log_owner(_logged_histories(learn), names))  # the next saves append to the log it was read from
     load_module_states(learn.model, rec.get('modules', {}))
     if dls: _restore_dls(learn, rec)
     set_rng_state(rec['rng'])
@@ -459,20 +459,20 @@ def _at(d, path):
 
 def _n_rows(packed:dict)->int: return len(next(iter(packed.values())))
 
-def _log_owner(learn, names)->tuple:
-    "Who the histories in the log columns `names` are: their `History`s' generations, which change whenever one starts again"
-    hs = _logged_histories(learn)
+def _log_owner(hs:dict, names)->tuple:
+    "Who the histories in the log columns `names` are: the generations of their `History`s in `hs` (`_logged_histories`), which change whenever one starts again"
     return tuple(getattr(hs.get(tuple(n.split('/'))), 'gen', None) for n in names)
 
 def _log_history(learn, ck, store, log:str)->callable|None:
     "Move the per-batch histories in checkpoint `ck` (the Recorder's, a `ParamScheduler`'s) to the log `log` of a local `store`, appending the rows it lacks; if it cannot, the function that starts the log once `ck` is written"
     cbs = (resume_record(ck) or {}).get('callbacks')
     if not isinstance(store, LocalStore) or not isinstance(cbs, dict): return None
-    packed = {p: v for p in _logged_histories(learn) if isinstance(v := _at(cbs, p), dict)}
+    hs = _logged_histories(learn)
+    packed = {p: v for p in hs if isinstance(v := _at(cbs, p), dict)}
     if ('recorder', 'lrs') not in packed: return None
     n = _n_rows(packed[('recorder', 'lrs')])
     packed = {'/'.join(p): v for p,v in packed.items() if _n_rows(v) == n}  # a row per batch in the log; any other history stays in the file
-    owner,log = _log_owner(learn, packed),store.where(log)
+    owner,log = _log_owner(hs, packed),store.where(log)
     ref = append_history(log, packed, owner)
     if ref is None: return partial(start_history, log, packed, owner)
     for name in packed:
