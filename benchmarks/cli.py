@@ -1,15 +1,10 @@
 "9. The command: `resumable-train inspect`, `ls` and `--help` against `python -c 'import torch; torch.load(...)'`, each a fresh process"
-import random, subprocess, sys, tempfile, time
+import random, subprocess, sys, tempfile
 from pathlib import Path
 from fastai.callback.core import Callback, CancelFitException
 from common import *
 
 CMD = str(Path(sys.executable).parent/'resumable-train')
-
-def _secs(cmd)->float:
-    t = time.perf_counter()
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-    return time.perf_counter() - t
 
 class SaveAt(Callback):
     "Save a resume point after training batch `n`, then stop"
@@ -34,7 +29,7 @@ def run(quick=False, reps=None, device=None):
         times = {k: [] for k in cmds}
         for _ in range(reps):
             ks = list(cmds); random.shuffle(ks)
-            for k in ks: times[k].append(_secs(cmds[k]))
+            for k in ks: times[k].append(timed(subprocess.run, cmds[k], check=True, capture_output=True, timeout=120))
     base = med(times[next(iter(cmds))])
     t = Table('cli', "9. The command: seconds from start to exit, each a fresh process, against importing torch and loading the file",
               ['command', 'median s', 'max s', '× torch.load'],
