@@ -21,18 +21,20 @@ class TimedAutoResume(AutoResume):
         if self.next_num != n: self.stalls.append(time.perf_counter() - t)
 
 class Compute(Callback):
-    "Stand in for the training compute between two resume points, long enough for a background write to end"
+    "Stand in for the training compute between two resume points, and as long as a background write takes (a periodic resume point due during one is put off)"
     order = 99
-    def __init__(self, secs): self.secs = secs
+    def __init__(self, secs, ar): self.secs,self.ar = secs,ar
     def after_batch(self):
-        if self.training: time.sleep(self.secs)
+        if not self.training: return
+        time.sleep(self.secs)
+        self.ar.writer.wait()
 
 def _one(learn, every, background, secs):
     "Stalls of the first resume point of a fit (host buffers allocated) and of the second (buffers reused)"
     with tempfile.TemporaryDirectory(prefix='bench-stall-') as d:
         learn.path = Path(d)
         ar = TimedAutoResume(every_iter=every, background=background, verbose=False)
-        learn.fit(1, cbs=[ar, Compute(secs)])
+        learn.fit(1, cbs=[ar, Compute(secs, ar)])
     return ar.stalls[0],ar.stalls[1],ar.writes[0]
 
 def run(quick=False, device=None, reps=None):

@@ -27,7 +27,7 @@ class _Moto:
 def _one(learn, dir, background, secs, every=2):
     "Stall of the second resume point of a fit (host buffers reused), and the time of its write"
     ar = TimedAutoResume(every_iter=every, background=background, verbose=False, dir=dir)
-    learn.fit(1, cbs=[ar, Compute(secs)])
+    learn.fit(1, cbs=[ar, Compute(secs, ar)])
     return ar.stalls[1],ar.writes[1]
 
 def run(quick=False, device=None, reps=None):
