@@ -23,7 +23,7 @@ from .learner import *
 from .learner import _position, _restore_streams, _load_through, _read_on_rank0, _group_device, _bypassed, _plan_changes, fit_plan, _log_history
 
 # %% auto #0
-__all__ = ['list_checkpoints', 'newest_valid', 'agree', 'AutoResume']
+__all__ = ['list_checkpoints', 'newest_valid', 'agree', 'AutoResume', 'WorkerSignals']
 
 # %% ../nbs/02_autoresume.ipynb #4e9f2df9
 def _ckpt_num(name, fname):
@@ -436,6 +436,39 @@ def _restore_handlers(self:AutoResume):
     for s,h in getattr(self, 'old_handlers', {}).items(): signal.signal(s, h)
     self.old_handlers = {}
 
+# %% ../nbs/02_autoresume.ipynb #7dd526d0
+class _IgnoreSignals:
+    "A DataLoader's `worker_init_fn` that makes the worker ignore `signums`, then runs the loader's own `f`"
+    def __init__(self, f, signums): self.f,self.signums = f,signums
+    def __call__(self, worker_id):
+        for s in self.signums: signal.signal(s, signal.SIG_IGN)  # a pending one (held back since the fork) is dropped here
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signums)
+        if self.f is not None: self.f(worker_id)
+
+class WorkerSignals:
+    "Keep the stop signals away from DataLoader workers: the main process stops the run for them, at a safe point"
+    def __init__(self, signums): self.signums,self.wrapped,self.mask = set(signums),[],None
+
+    def start(self, loaders):
+        "Make the workers that `loaders` start ignore the stop signals"
+        for dl in loaders:
+            o = getattr(dl, 'fake_l', dl)  # a fastai DataLoader starts its workers through `fake_l`, a PyTorch one itself
+            if not hasattr(o, 'worker_init_fn') or isinstance(o.worker_init_fn, _IgnoreSignals): continue
+            self.wrapped.append((o, o.worker_init_fn))
+            o.worker_init_fn = _IgnoreSignals(o.worker_init_fn, self.signums)
+
+    def hold(self, on:bool=True):
+        "Hold the stop signals back from this thread while it forks workers; they are delivered when it stops holding them"
+        if on and self.mask is None: self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.signums)
+        elif not on and self.mask is not None: signal.pthread_sigmask(signal.SIG_SETMASK, self.mask); self.mask = None
+
+    def stop(self):
+        "Put the loaders and this thread's signal mask back as they were"
+        self.hold(False)
+        for o,f in self.wrapped: o.worker_init_fn = f
+        self.wrapped = []
+
+
 # %% ../nbs/02_autoresume.ipynb #6d780516
 @patch
 def before_fit(self:AutoResume):
@@ -455,10 +488,27 @@ def before_fit(self:AutoResume):
     except BaseException: self._cleanup(); raise
     self.unfinished,self.last_save = True,time.monotonic()
     self._install_handlers()
+    self.worker_signals = WorkerSignals(self.old_handlers)  # the signals handled here are kept away from DataLoader workers
+    self.worker_signals.start(self.dls.loaders)
 
 @patch
 def before_train(self:AutoResume):
     if not self.fitting: raise _bypassed(self.learn, 'fit')
+    self._hold_signals()
+
+@patch
+def _hold_signals(self:AutoResume, on:bool=True):
+    "From the start of a phase, when its loader forks workers, to its first batch: see `WorkerSignals`"
+    if self.fitting and getattr(self, 'worker_signals', None): self.worker_signals.hold(on)
+
+@patch
+def before_validate(self:AutoResume): self._hold_signals()
+@patch
+def before_batch(self:AutoResume): self._hold_signals(False)
+@patch
+def after_train(self:AutoResume): self._hold_signals(False)  # a phase without batches
+@patch
+def after_validate(self:AutoResume): self._hold_signals(False)
 
 @patch
 def after_batch(self:AutoResume):
@@ -494,6 +544,7 @@ def _stop(self:AutoResume, signum):
 
 @patch
 def _cleanup(self:AutoResume):
+    if getattr(self, 'worker_signals', None): self.worker_signals.stop()
     self._restore_handlers()
     _hide_probes(self.learn, False)
     self.host_copy = None

@@ -19,6 +19,8 @@ p.add_argument('--stop-rank0-at', type=int, default=-1)  # rank 0 alone raises C
 p.add_argument('--sleep', type=float, default=0.)      # seconds per training batch
 p.add_argument('--mark-at', type=int, default=-1)      # rank 0 writes OUT/marker after this training batch
 p.add_argument('--timeout', type=float, default=20)
+p.add_argument('--workers', type=int, default=0)       # DataLoader workers; with them the items are read slowly (--item-secs each)
+p.add_argument('--item-secs', type=float, default=0.004)
 p.add_argument('--no-gate', action='store_true')      # for timing only: skip the stop all-reduce (stops then are not coordinated)
 args = p.parse_args()
 out = Path(args.out); (out/'run').mkdir(parents=True, exist_ok=True)
@@ -60,13 +62,22 @@ trainer = DistributedTrainer(timeout=args.timeout)
 if args.no_gate: trainer._agree = lambda stop: stop
 set_seed(0)
 dls = synth_dbunch(bs=15, n_train=args.n_train, n_valid=3)
+if args.workers:
+    class SlowItems(list):
+        "Items that take `--item-secs` each to read, as decoding an image would: the main process waits for its workers"
+        def __getitem__(self, i): time.sleep(args.item_secs); return super().__getitem__(i)
+    dls = DataLoaders.from_dsets(*(SlowItems(zip(dl.dataset.tensors[0], dl.dataset.tensors[1])) for dl in dls.loaders), bs=15,
+                                 num_workers=args.workers)
 model = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
 torch.manual_seed(1000 + rank)   # each rank its own random streams (dropout), which a resume must give back to each
 cbs = [trainer, Test(), CSVLogger(), SaveModelCallback(every_epoch=True)] + ([AutoResume(every_iter=args.every)] if args.every else [])
 learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=[mae, rmse], cbs=cbs, path=out/'run')
 _start_audit()
 start = time.perf_counter()
-learn.fit(args.epochs, 1e-2)
+try: learn.fit(args.epochs, 1e-2)
+except SystemExit as e:
+    (out/f'exit{rank}').write_text(f'{e.code} {learn.train_iter}')   # this rank's status and batch (torchrun's status says less)
+    raise
 secs = time.perf_counter() - start
 builtins.open, io.open, os.replace, torch.save = _open, _open, _replace, _save
 learn.remove_cbs([CSVLogger, AutoResume])   # `validate` runs their before_fit/after_fit, which would write

@@ -34,7 +34,7 @@ lowest() {
 }
 pytest() { n=$1; shift; python -m pytest -q -rs -p no:cacheprovider --basetemp="$logs/tmp$n" "$@" >"$logs/pytest$n.log" 2>&1; }
 apart=(tests/test_multinode.py tests/test_distributed.py tests/test_elastic.py)
-later=(tests/test_remote.py tests/test_cli.py)
+later=(tests/test_remote.py tests/test_cli.py tests/test_group_signal.py)
 pytest 1 "${apart[@]}" & pytest1_pid=$!
 { pytest 2 tests "${apart[@]/#/--ignore=}" "${later[@]/#/--ignore=}" && lowest >>"$logs/pytest2.log" 2>&1; } & pytest2_pid=$!
 echo "== docs build (nbdev-proc-nbs)"

@@ -6,6 +6,8 @@ import glob, os, signal, subprocess, time
 from pathlib import Path
 import pytest
 from helpers import PY, TESTS, start, finish, load_result, diff_values
+from resumable_train.autoresume import newest_valid
+from resumable_train.files import resume_record
 from test_elastic import free_port
 
 SCRIPT = TESTS/'dist_train.py'
@@ -107,6 +109,35 @@ def test_sigterm_kill_relaunch(forker, tmp_path, reference):
     res = ranks(forker, tmp_path, '--every', '3')
     assert 'AutoResume: continuing from' in res[0][1] and 'skipping' not in res[0][1], why(res)
     assert_same_run(reference[1], results(tmp_path))
+
+def every_process(pid)->list:
+    "`pid` and all its descendants: what Slurm signals when it preempts or cancels a job step"
+    import psutil
+    p = psutil.Process(pid)
+    return [p, *p.children(recursive=True)]
+
+def test_sigterm_every_process(forker, tmp_path):
+    "SIGTERM to every process of a torchrun job (launcher, ranks, their DataLoader workers), as Slurm sends it: each rank stops at the same batch with 143; the relaunch ends bitwise"
+    args = ('--every', '100', '--workers', '2', '--n-train', '14', '--epochs', '2', '--timeout', str(TIMEOUT))
+    ref,run = tmp_path/'ref',tmp_path/'run'
+    ranks(forker, ref, *args)
+    p = start([PY, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', '--redirects', '3', '--log-dir', str(run/'logs'),
+               str(SCRIPT), str(run), *args, '--mark-at', '3'])
+    wait_for(run/'marker', lambda: p.poll() is None, 90)
+    procs = every_process(p.pid)
+    for q in procs: q.send_signal(signal.SIGTERM)
+    rc,o,e = finish(p, 60)
+    logs = torchrun_logs(run, 0) + torchrun_logs(run, 0, 'stderr') + torchrun_logs(run, 1, 'stderr')
+    assert len(procs) >= 7, f"expected the launcher, 2 ranks and their 2 workers each, signalled {len(procs)} processes"
+    exits = [(run/f'exit{r}').read_text().split() if (run/f'exit{r}').exists() else None for r in (0, 1)]
+    assert exits[0] == exits[1] and exits[0][0] == '143', (exits, (o+e)[-2000:], logs[-3000:])
+    assert 'AutoResume: stopped by SIGTERM at epoch' in logs and 'exited unexpectedly' not in logs, logs[-3000:]
+    assert 'Exception ignored' not in logs, logs[-3000:]
+    f,state = newest_valid(run/'run'/'models')
+    assert resume_record(state)['train_iter'] == int(exits[0][1]), (f, exits)
+    res = ranks(forker, run, *args)
+    assert 'AutoResume: continuing from' in res[0][1], why(res)
+    assert_same_run(results(ref), results(run))
 
 def test_hung_rank(forker, tmp_path):
     "A rank that hangs (SIGSTOP) rather than dies: rank 0 fails with a clear error within the process-group timeout"
