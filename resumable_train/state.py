@@ -217,10 +217,16 @@ register_state('fastai.callback.schedule.ParamScheduler', _scheduler_state, _set
 def _accumulation_state(cb): return {'count': cb.count}
 register_state('fastai.callback.training.GradientAccumulation', _accumulation_state, _set_vars)
 
-def _precision_state(cb): return {'scaler': cb.learn.scaler.state_dict(), 'scales': list(cb.scales)}
+def _precision_state(cb):
+    "The `GradScaler` and the scale of each step taken; `None` for both at the end of a fit, where fastai has dropped them"
+    scaler,scales = getattr(cb.learn, 'scaler', None),getattr(cb, 'scales', None)
+    return {'scaler': None if scaler is None else scaler.state_dict(),
+            'scales': None if scales is None else _history(cb, 'scales').pack(scales.items)}  # a value per step: packed
+
 def _set_precision_state(cb, sd):
-    if sd['scaler']: cb.learn.scaler.load_state_dict(sd['scaler'])
-    cb.scales = L(sd['scales'])
+    scaler = getattr(cb.learn, 'scaler', None)
+    if sd['scaler'] and scaler is not None: scaler.load_state_dict(sd['scaler'])
+    if sd['scales'] is not None: cb.scales = L(_unpacked(cb, 'scales', sd['scales']))
 register_state('fastai.callback.fp16.MixedPrecision', _precision_state, _set_precision_state)
 
 # %% ../nbs/00_state.ipynb #21686c69

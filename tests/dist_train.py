@@ -21,6 +21,7 @@ p.add_argument('--mark-at', type=int, default=-1)      # rank 0 writes OUT/marke
 p.add_argument('--timeout', type=float, default=20)
 p.add_argument('--workers', type=int, default=0)       # DataLoader workers; with them the items are read slowly (--item-secs each)
 p.add_argument('--item-secs', type=float, default=0.004)
+p.add_argument('--fp16', action='store_true')          # learn.to_fp16() (on a CPU fastai disables autocast and its GradScaler)
 p.add_argument('--no-gate', action='store_true')      # for timing only: skip the stop all-reduce (stops then are not coordinated)
 args = p.parse_args()
 out = Path(args.out); (out/'run').mkdir(parents=True, exist_ok=True)
@@ -72,6 +73,7 @@ model = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 
 torch.manual_seed(1000 + rank)   # each rank its own random streams (dropout), which a resume must give back to each
 cbs = [trainer, Test(), CSVLogger(), SaveModelCallback(every_epoch=True)] + ([AutoResume(every_iter=args.every)] if args.every else [])
 learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=[mae, rmse], cbs=cbs, path=out/'run')
+if args.fp16: learn.to_fp16()
 _start_audit()
 start = time.perf_counter()
 try: learn.fit(args.epochs, 1e-2)

@@ -139,6 +139,16 @@ def test_sigterm_every_process(forker, tmp_path):
     assert 'AutoResume: continuing from' in res[0][1], why(res)
     assert_same_run(results(ref), results(run))
 
+def test_fp16_kill_relaunch(forker, tmp_path):
+    "`to_fp16` under DistributedTrainer: one rank killed mid-run, relaunched: bitwise the uninterrupted run"
+    ref,run = tmp_path/'ref',tmp_path/'run'
+    ranks(forker, ref, '--every', '3', '--fp16')
+    res = ranks(forker, run, '--every', '3', '--fp16', '--kill-rank', '1', '--kill-at', '8', ok=False)
+    assert res[1][0] == -signal.SIGKILL and res[0][0] != 0, why(res)
+    res = ranks(forker, run, '--every', '3', '--fp16')
+    assert 'AutoResume: continuing from' in res[0][1], why(res)
+    assert_same_run(results(ref), results(run))
+
 def test_hung_rank(forker, tmp_path):
     "A rank that hangs (SIGSTOP) rather than dies: rank 0 fails with a clear error within the process-group timeout"
     secs = 5
