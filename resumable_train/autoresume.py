@@ -23,7 +23,7 @@ from .learner import *
 from .learner import _position, _restore_streams, _load_through, _read_on_rank0, _group_device, _bypassed, _plan_changes, fit_plan, _log_history
 
 # %% auto #0
-__all__ = ['list_checkpoints', 'newest_valid', 'agree', 'AutoResume', 'WorkerSignals']
+__all__ = ['list_checkpoints', 'newest_valid', 'agree', 'AutoResume', 'refuse_fastai_ddp', 'WorkerSignals']
 
 # %% ../nbs/02_autoresume.ipynb #4e9f2df9
 def _ckpt_num(name, fname):
@@ -161,7 +161,7 @@ class AutoResume(Callback):
                  verbose:bool=True, # say where training resumed
                  strict_hypers:bool=False, # refuse to continue a fit call asked for other hyperparameters (by default a warning names them)
                  wait:float=0, # seconds to wait for another process training this run (by default refuse at once)
-                 elastic:bool=False, # continue a resume point written with another number of processes (see `DistributedTrainer`)
+                 elastic:bool=False, # continue a resume point written with another number of processes (see `DDPTrainer`)
                  dir=None, # a folder, an fsspec URL (`s3://bucket/run1`) or a store (`as_store`); `learn.path/learn.model_dir` by default
                  stop_wait:float=30, # seconds a stop by a signal waits for the resume point being written
                 ):
@@ -333,6 +333,16 @@ def _hide_probes(learn, on:bool=True):
 from fastai.callback.core import TrainEvalCallback
 from .learner import _is_a
 
+_FASTAI_DDP = 'fastai.distributed.DistributedTrainer'
+
+def refuse_fastai_ddp(learn):
+    "Refuse fastai's Accelerate-based `DistributedTrainer`, whose runs `AutoResume` cannot continue exactly"
+    if not any(_is_a(cb, _FASTAI_DDP) for cb in learn.cbs): return
+    raise RuntimeError("AutoResume cannot resume fastai's DistributedTrainer (fastai.distributed, added by `to_distributed` or "
+        "`distrib_ctx`): its sharded DataLoaders do not fast-forward, every rank writes files, and its stops are not taken by all ranks "
+        "together. Use resumable_train's DDPTrainer instead: `Learner(..., cbs=[DDPTrainer(), AutoResume()])` under torchrun (or "
+        "`accelerate launch --multi_gpu`), without `to_distributed` or `distrib_ctx`")
+
 class _AutoResumeLook(Callback):
     "Scans `AutoResume`'s run before any other callback's `before_fit`"
     order = TrainEvalCallback.order-1
@@ -349,6 +359,7 @@ def _look(self:AutoResume):
     "Scan the run first; when this fit call finished in an earlier run, switch off its progress bar (fastai switches it on after the fit)"
     self.found = None
     if hasattr(self.learn, 'lr_finder') or not getattr(self.learn, '_fitting', False): return
+    refuse_fastai_ddp(self.learn)
     _hide_probes(self.learn)
     try: self.found = self._scan()
     except Exception as e: self.found = e

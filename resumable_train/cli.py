@@ -69,7 +69,7 @@ def _keys(d, n=3): return ', '.join(map(repr, list(d)[:n])) + (f" and {len(d)-n}
 def _world(rec)->dict:
     "How many processes wrote a resume point, and whether `elastic=True` can continue it on another number (it needs the epoch's sample position)"
     sd = (rec.get('callbacks') or {}).get('distributed_trainer')
-    if sd is None: return dict(world_size=1, elastic=True)   # one process without DistributedTrainer: the position is its batch
+    if sd is None: return dict(world_size=1, elastic=True)   # one process without DDPTrainer: the position is its batch
     return dict(world_size=sd.get('world_size', 1), elastic='n' in sd and (sd.get('position') is not None or not rec.get('iter')))
 
 def checkpoint_info(file)->dict:

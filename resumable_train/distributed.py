@@ -1,4 +1,4 @@
-"""`DistributedTrainer`: data-parallel training under `torchrun` on `torch.distributed`, with a rank-0 event gate and exact resume.
+"""`DDPTrainer`: data-parallel training under `torchrun` on `torch.distributed`, with a rank-0 event gate and exact resume.
 
 Docs: https://resumable-train.github.io/resumable_train/distributed.html.md"""
 
@@ -21,7 +21,7 @@ from .learner import _world_error, _world_size, _position, _seeded, _group_devic
 from .autoresume import agree
 
 # %% auto #0
-__all__ = ['init_distributed', 'DistributedTrainer']
+__all__ = ['init_distributed', 'DDPTrainer']
 
 # %% ../nbs/03_distributed.ipynb #08a835aa
 def _torchrun_env()->bool: return all(k in os.environ for k in ('RANK','WORLD_SIZE','MASTER_ADDR','MASTER_PORT'))
@@ -56,7 +56,7 @@ class _ShardDL(DataLoader):
                  offset:int=0, # samples of the epoch's order already trained (by a run on another number of processes)
                  first:int=0, # the batch number the first batch of the share gets (`SkipToIter` starts there)
                 ):
-        if dl.n is None: raise ValueError("DistributedTrainer can only shard DataLoaders of known length")
+        if dl.n is None: raise ValueError("DDPTrainer can only shard DataLoaders of known length")
         self.dl,self.rank,self.world_size,self.offset,self.first = dl,rank,world_size,offset,first
         self.bs,self.drop_last,self.shuffle,self.indexed = dl.bs,dl.drop_last,dl.shuffle,dl.indexed
         self.n,self.num_workers,self.offs = first*(dl.bs or 1) + -(-(dl.n-offset)//world_size),1,0
@@ -109,9 +109,10 @@ class _NoBatches(GetAttr):
     def __iter__(self): return iter(())
 
 # %% ../nbs/03_distributed.ipynb #64fb11c1
-class DistributedTrainer(Callback):
+class DDPTrainer(Callback):
     "Train with `DistributedDataParallel` under `torchrun`: sharded data, output and files on rank 0 only, stops taken by all ranks together"
     order = 11
+    name = 'distributed_trainer'  # `learn.distributed_trainer`, and the key of its state in resume points, as up to 0.2.0
     def __init__(self, timeout:float=600, # seconds a rank waits for the others before it fails with an error
                  rank0_cbs:tuple=(), # more callback types that run on rank 0 only
                  **ddp_kwargs, # passed on to `DistributedDataParallel`
@@ -126,7 +127,7 @@ class DistributedTrainer(Callback):
         try: return f()
         except RuntimeError as e:
             if isinstance(e, getattr(dist, 'DistError', ())) or any(w in str(e) for w in ('gloo','nccl','NCCL','Timed out','Connection')):
-                raise RuntimeError(f"DistributedTrainer: rank {self.rank} of {self.world_size} could not {what} (epoch {getattr(self.learn, 'epoch', 0)}, "
+                raise RuntimeError(f"DDPTrainer: rank {self.rank} of {self.world_size} could not {what} (epoch {getattr(self.learn, 'epoch', 0)}, "
                     f"batch {getattr(self.learn, 'iter', 0)}): another rank has died, or has not answered within the {self.timeout:g}s timeout. "
                     "Run the same command again to continue from the last resume point.") from e
             raise
@@ -143,9 +144,12 @@ class DistributedTrainer(Callback):
         self.gate_secs += time.perf_counter() - start
         return bool(res)
 
+# %% ../nbs/03_distributed.ipynb #f0d0d851
+DistributedTrainer = DDPTrainer  # 0.2.0's name, importable by name only: outside `__all__`, it shadows nothing
+
 # %% ../nbs/03_distributed.ipynb #f36b212f
 @patch
-def _call(self:DistributedTrainer, event_name):
+def _call(self:DDPTrainer, event_name):
     "Run the event on this rank's callbacks; hold back stops until all ranks take them together"
     self._restore_rank_rng()
     try:
@@ -162,20 +166,20 @@ def _call(self:DistributedTrainer, event_name):
             raise CancelFitException()
 
 @patch
-def _backward(self:DistributedTrainer): self._collective(self.learn_backward, 'all-reduce the gradients')
+def _backward(self:DDPTrainer): self._collective(self.learn_backward, 'all-reduce the gradients')
 
 @patch
-def _to_detach(self:DistributedTrainer, b, cpu=True, gather=True):
+def _to_detach(self:DDPTrainer, b, cpu=True, gather=True):
     "Gather over ranks only in training, where every rank is at the same batch; outside `fit` each rank evaluates on its own"
     return to_detach(b, cpu, gather and self.fitting and self.learn.training)
 
 @patch
-def _restore_rank_rng(self:DistributedTrainer):
+def _restore_rank_rng(self:DDPTrainer):
     if self.pending is not None: set_rng_state(self.pending); self.pending = None
 
 # %% ../nbs/03_distributed.ipynb #30f3c1d5
 @patch
-def before_fit(self:DistributedTrainer):
+def before_fit(self:DDPTrainer):
     if not self.active: return
     self.learn.to_detach = self._to_detach
     if not getattr(self.learn, '_fitting', False): return   # `validate` or `get_preds`: every rank evaluates on its own
@@ -197,7 +201,7 @@ def before_fit(self:DistributedTrainer):
     learn._call_one,learn._backward = self._call,self._backward
 
 @patch
-def _cleanup(self:DistributedTrainer):
+def _cleanup(self:DDPTrainer):
     "Give the learner back its model, DataLoaders, logger and event dispatch"
     if not self.fitting: return
     learn = self.learn
@@ -207,13 +211,13 @@ def _cleanup(self:DistributedTrainer):
     self.fitting = False
 
 @patch
-def before_validate(self:DistributedTrainer):
+def before_validate(self:DDPTrainer):
     if not self.fitting: return
     self.learn.model = self.ddp.module
     if self.rank: self.learn.dl = _NoBatches(self.learn.dl)
 
 @patch
-def after_validate(self:DistributedTrainer):
+def after_validate(self:DDPTrainer):
     if not self.fitting: return
     self.learn.model = self.ddp
     rec = getattr(self.learn, 'recorder', None)
@@ -226,7 +230,7 @@ def after_validate(self:DistributedTrainer):
 
 # %% ../nbs/03_distributed.ipynb #1749b241
 @patch
-def _epoch_position(self:DistributedTrainer)->int|None:
+def _epoch_position(self:DDPTrainer)->int|None:
     "How many samples of this epoch's order all ranks together have trained (`None` at the end of `fit`)"
     pos,dl,r = _position(self.learn),self._data(),self.rest
     if pos is None or getattr(dl, 'n', None) is None: return None   # a DataLoader of unknown length (or not fastai's) has no position
@@ -236,7 +240,7 @@ def _epoch_position(self:DistributedTrainer)->int|None:
     return offset + min((it-first)*(dl.bs or 1)*self.world_size, dl.n-offset)
 
 @patch
-def state_dict(self:DistributedTrainer):
+def state_dict(self:DDPTrainer):
     "World size, position in the epoch's sample order, and every rank's random streams (complete on rank 0, which writes the file)"
     skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
     er = getattr(skip, 'epoch_rng', None)
@@ -258,7 +262,7 @@ def _rank_streams(sd, rank):
     return dict(rng=rng, epoch_rng=epoch)
 
 @patch
-def load_state_dict(self:DistributedTrainer, sd):
+def load_state_dict(self:DDPTrainer, sd):
     "Check the world size; restore this rank's random streams"
     if sd['world_size'] != self.world_size and not self.elastic: raise _world_error('The resume point', sd['world_size'], self.world_size)
     if not self.active: return
@@ -271,14 +275,14 @@ def load_state_dict(self:DistributedTrainer, sd):
 
 # %% ../nbs/03_distributed.ipynb #e1a57c20
 @patch
-def before_train(self:DistributedTrainer):
+def before_train(self:DDPTrainer):
     "In the epoch a resume on another world size starts inside, train the rest of the epoch's order, shared among this run's ranks"
     r = self.rest
     if r is None or r['epoch'] != self.epoch: return
     self.learn.dl = _ShardDL(self._data(), self.rank, self.world_size, offset=r['offset'], first=r['first'])
 
 @patch
-def _rest_pct(self:DistributedTrainer, it:int)->float:
+def _rest_pct(self:DDPTrainer, it:int)->float:
     "`pct_train` after batch `it` of that epoch: from the saved run's to the epoch's end, in proportion to the samples trained"
     r,dl,ws = self.rest,self._data(),self.world_size
     bs = dl.bs or 1
@@ -289,20 +293,20 @@ def _rest_pct(self:DistributedTrainer, it:int)->float:
     return end - (end - r['pct'])*(total - done)/total
 
 @patch
-def after_batch(self:DistributedTrainer):
+def after_batch(self:DDPTrainer):
     if self.training and self.rest is not None and self.rest['epoch'] == self.epoch: self.learn.pct_train = self._rest_pct(self.iter+1)
 
 @patch
-def after_train(self:DistributedTrainer):
+def after_train(self:DDPTrainer):
     if self.rest is not None and self.rest['epoch'] == self.epoch: self.rest = None
 
 @patch
-def after_fit(self:DistributedTrainer):
+def after_fit(self:DDPTrainer):
     if getattr(self.learn, '_fitting', False): self.rest = None
 
 # %% ../nbs/03_distributed.ipynb #e1a57c21
 def _saved_run(rp)->dict:
-    "The `DistributedTrainer` state of a resume point; for a run without one (a single process), what it would have held"
+    "The `DDPTrainer` state of a resume point; for a run without one (a single process), what it would have held"
     sd = rp['callbacks'].get('distributed_trainer')
     if sd is not None: return sd
     s = rp['setup']
@@ -310,7 +314,7 @@ def _saved_run(rp)->dict:
                 ranks=[dict(rng=rp['rng'], epoch_rng=(rp['epoch_rng'] or {}).get('rng'))])
 
 @patch
-def plan_resume(self:DistributedTrainer, rp:dict|None, # the resume point `learn.load` leaves for the next `fit`, or `None`
+def plan_resume(self:DDPTrainer, rp:dict|None, # the resume point `learn.load` leaves for the next `fit`, or `None`
                 elastic:bool=False, # continue it on another world size
                ):
     "Check the world size of `rp`; on another world size (`elastic`), plan the rest of the epoch; called by `Learner.load`"

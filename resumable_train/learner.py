@@ -493,7 +493,7 @@ def save(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
     "Save model and optimizer state to `learn.path/learn.model_dir/file`, with the resume point if `with_iter`"
     file,full = _location(self, file),with_opt and with_iter and self.opt is not None
     if rank_distrib():
-        if full: resume_point(self)  # every rank takes part in gathering the states (`DistributedTrainer`'s random streams)
+        if full: resume_point(self)  # every rank takes part in gathering the states (`DDPTrainer`'s random streams)
         return file
     store,name = locate(file)
     if not full:
@@ -563,7 +563,7 @@ def _world_error(file, saved, now):
     return CheckpointError(f"{file} holds a resume point of a run on {saved} process(es); this run has {now}. Another world size would not "
         f"continue the same run bit for bit (other shards, batch positions and random streams): relaunch with {saved} process(es) "
         f"(torchrun --nproc_per_node ...); or continue it on {now} with elastic=True (AutoResume(elastic=True), learn.load(..., elastic=True), "
-        "with DistributedTrainer), which trains the rest of the epoch's samples in other batches; or load it with with_iter=False to start "
+        "with DDPTrainer), which trains the rest of the epoch's samples in other batches; or load it with with_iter=False to start "
         "a new run from its weights")
 
 def _check_world(rec, file):
@@ -571,7 +571,7 @@ def _check_world(rec, file):
     if saved != _world_size(): raise _world_error(file, saved, _world_size())
 
 def _plan_resume(learn, rp, elastic)->bool:
-    "Let the callbacks that depend on the number of processes (`DistributedTrainer`) check `rp` and plan how it continues"
+    "Let the callbacks that depend on the number of processes (`DDPTrainer`) check `rp` and plan how it continues"
     cbs = [cb for cb in learn.cbs if callable(getattr(cb, 'plan_resume', None))]
     for cb in cbs: cb.plan_resume(rp, elastic)
     return bool(cbs)
@@ -586,7 +586,7 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
          strict:bool=True, # as for `Module.load_state_dict`
          check_setup:bool=True, # refuse a resume point from a run with another setup
          strict_hypers:bool|None=False, # when the next fit was asked for other hyperparameters than the resume point's: refuse (True), warn (False), say nothing (None)
-         elastic:bool=False, # continue a resume point written with another number of processes (see `DistributedTrainer`)
+         elastic:bool=False, # continue a resume point written with another number of processes (see `DDPTrainer`)
          state:dict|None=None, # the checkpoint, already read (sent by another rank); `file` then only names it
          **kwargs # ignored: loading is always `weights_only=True`
         ):

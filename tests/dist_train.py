@@ -1,4 +1,4 @@
-"""A tiny training script for the DistributedTrainer tests: run it with `torchrun --standalone --nproc_per_node=2 dist_train.py OUT ...`
+"""A tiny training script for the DDPTrainer tests: run it with `torchrun --standalone --nproc_per_node=2 dist_train.py OUT ...`
 (or with plain `python`). Each rank writes OUT/rank{R}.pt with its final weights, Recorder values, a single-process validation of the
 final weights, the files it opened for writing during fit, and timings."""
 import argparse, builtins, io, os, signal, sys, time
@@ -33,7 +33,7 @@ from fastai.callback.progress import CSVLogger
 from fastai.callback.tracker import SaveModelCallback
 import resumable_train
 from resumable_train.autoresume import AutoResume
-from resumable_train.distributed import DistributedTrainer
+from resumable_train.distributed import DDPTrainer
 
 writes = []
 def _audited(f):
@@ -59,7 +59,7 @@ class Test(Callback):
     def after_epoch(self):
         if rank == 0 and self.epoch == args.stop_rank0_at: raise CancelFitException()
 
-trainer = DistributedTrainer(timeout=args.timeout)
+trainer = DDPTrainer(timeout=args.timeout)
 if args.no_gate: trainer._agree = lambda stop: stop
 set_seed(0)
 dls = synth_dbunch(bs=15, n_train=args.n_train, n_valid=3)

@@ -34,7 +34,7 @@ from fastai.basics import *
 from fastai.callback.all import *   # fit_one_cycle, SaveModelCallback (the package does not import them)
 import torch.distributed as dist
 from resumable_train.autoresume import AutoResume
-from resumable_train.distributed import DistributedTrainer
+from resumable_train.distributed import DDPTrainer
 
 class Ledger(Callback):
     "Log what each training batch trained; kill or mark where the arguments say"
@@ -54,7 +54,7 @@ class Ledger(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
     def after_fit(self): self.f.close()
 
-trainer = DistributedTrainer(timeout=args.timeout)
+trainer = DDPTrainer(timeout=args.timeout)
 set_seed(0)
 x = torch.randn(args.n, 1)
 index = {v: i for i,v in enumerate(x[:,0].tolist())}

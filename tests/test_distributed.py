@@ -1,4 +1,4 @@
-"""DistributedTrainer with two ranks on CPU (gloo): identical weights, a stop on one rank, output and files from rank 0 only, validation
+"""DDPTrainer with two ranks on CPU (gloo): identical weights, a stop on one rank, output and files from rank 0 only, validation
 numbers, a killed rank, a hung rank, another world size. The ranks are children forked from the test process (fastai imported once, see
 forked.py) that join the process group as torchrun's workers do (test_elastic.py); SIGTERM to the launcher, which torchrun passes on to its
 workers, is tested on a real `torchrun --standalone`. Every launch is bounded and its processes killed on timeout."""
@@ -11,7 +11,7 @@ from resumable_train.files import resume_record
 from test_elastic import free_port
 
 SCRIPT = TESTS/'dist_train.py'
-TIMEOUT = 20  # the process-group timeout the script gives DistributedTrainer
+TIMEOUT = 20  # the process-group timeout the script gives DDPTrainer
 
 def start_ranks(forker, out, *args, n=2):
     "Fork `n` ranks of dist_train.py, with the environment torchrun gives its workers"
@@ -102,7 +102,7 @@ def test_sigterm_kill_relaunch(forker, tmp_path, reference):
     t = time.monotonic()
     res = wait_ranks(ps, 60)
     assert res[1][0] == -signal.SIGKILL and res[0][0] != 0 and time.monotonic() - t < TIMEOUT + 10, why(res)
-    assert 'AutoResume: continuing from' in res[0][1] and 'DistributedTrainer: rank 0 of 2 could not' in res[0][1], why(res)  # a clear error
+    assert 'AutoResume: continuing from' in res[0][1] and 'DDPTrainer: rank 0 of 2 could not' in res[0][1], why(res)  # a clear error
     # another world size is refused (AutoResume sees another setup first: the shards have other lengths)
     rc,o = forker.run(SCRIPT, tmp_path, '--every', '3', timeout=60)
     assert rc != 0 and 'holds resume points of a different run (fit call 1 n_iter: saved 4, now 7' in o, o[-3000:]
@@ -140,7 +140,7 @@ def test_sigterm_every_process(forker, tmp_path):
     assert_same_run(results(ref), results(run))
 
 def test_fp16_kill_relaunch(forker, tmp_path):
-    "`to_fp16` under DistributedTrainer: one rank killed mid-run, relaunched: bitwise the uninterrupted run"
+    "`to_fp16` under DDPTrainer: one rank killed mid-run, relaunched: bitwise the uninterrupted run"
     ref,run = tmp_path/'ref',tmp_path/'run'
     ranks(forker, ref, '--every', '3', '--fp16')
     res = ranks(forker, run, '--every', '3', '--fp16', '--kill-rank', '1', '--kill-at', '8', ok=False)
@@ -159,7 +159,7 @@ def test_hung_rank(forker, tmp_path):
         try: out = ps[0].communicate(timeout=secs + 20)[0]
         except subprocess.TimeoutExpired: out = f'rank 0 still running {secs + 20}s after rank 1 hung'
         print(f"rank 0 reported the hung rank {time.monotonic() - t:.1f} s after it stopped")
-        assert ps[0].returncode != 0 and 'DistributedTrainer: rank 0 of 2 could not' in out, out[-3000:]
+        assert ps[0].returncode != 0 and 'DDPTrainer: rank 0 of 2 could not' in out, out[-3000:]
         assert time.monotonic() - t < secs + 10
     finally:
         for q in ps: q.kill_group()

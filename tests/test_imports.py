@@ -1,5 +1,6 @@
 "Importing the package changes nothing in fastai for a run that does not use it (a fresh interpreter: the test process has imported fastai)."
 import json
+import pytest
 from helpers import PY, run, check_rc
 
 CHECK = '''
@@ -24,3 +25,19 @@ def test_import_changes_nothing():
     assert got['after'] == got['before'], got
     assert got['imported'] == [], got
     assert 'ProgressCallback' in got['stock'] and got['wrapped'], got
+
+ORDER = '''
+import sys
+first,second = sys.argv[1:]
+exec(f"from {first} import *")
+exec(f"from {second} import *")
+import fastai.distributed, resumable_train.distributed as rd
+print(DistributedTrainer is fastai.distributed.DistributedTrainer, DDPTrainer is rd.DDPTrainer)
+'''
+
+@pytest.mark.parametrize('first,second', [('fastai.distributed', 'resumable_train.all'), ('resumable_train.all', 'fastai.distributed')])
+def test_import_order(first, second):
+    "Star imports of fastai.distributed and the package, in either order: fastai's DistributedTrainer stays fastai's, ours is DDPTrainer"
+    res = run([PY, '-c', ORDER, first, second], timeout=120)
+    check_rc(res, 'import order')
+    assert res[1].strip().splitlines()[-1] == 'True True', res[1][-2000:]

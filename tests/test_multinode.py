@@ -9,7 +9,7 @@ from helpers import PY, TESTS, start, finish, kill_group, load_result, diff_valu
 from test_elastic import free_port, run
 
 SCRIPT = TESTS/'elastic_train.py'
-TIMEOUT = 10   # the process-group timeout the script gives DistributedTrainer
+TIMEOUT = 10   # the process-group timeout the script gives DDPTrainer
 
 @pytest.fixture(scope='module')
 def reference(forker, tmp_path_factory):
@@ -70,7 +70,7 @@ def test_two_nodes_no_shared_folder(tmp_path, reference):
         rc,o,e = finish(ps[1-lost], TIMEOUT + 60)
         secs = time.monotonic() - t
         err = logs(outs[1-lost])
-        ours = 'DistributedTrainer: rank 1 of 2 could not' in err
+        ours = 'DDPTrainer: rank 1 of 2 could not' in err
         # the lost node hosted the rendezvous store, which the surviving launcher looks at about once a second: when it looks before its
         # worker reaches the next collective, torchrun stops the worker before it can say what happened (a race within torchrun;
         # test_distributed checks the worker's message). Either way the node fails, at once, and the relaunch below continues exactly
