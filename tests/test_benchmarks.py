@@ -1,5 +1,6 @@
 "The benchmarks run: `python benchmarks/run.py --quick` prints and writes every table (numbers are not checked: performance is measured, not asserted)"
 import json
+import pytest, torch
 from helpers import PY, ROOT, run, check_rc
 
 NAMES = ('fastforward', 'checkpoint', 'overhead', 'stall', 'memory', 'upload', 'peers', 'sigterm', 'cli')
@@ -18,3 +19,10 @@ def test_quick_benchmarks(tmp_path):
     peers = json.loads((tmp_path/'peers.json').read_text())['rows']
     for name in ('accelerate save_state', 'dcp.save', 'dcp.async_save: stall', 'resumable_train background: stall'):  # the peers ran (the dev extra installs them)
         assert any(r[0] == name for r in peers), (name, peers)
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="benchmarks/gpu_check.py runs the CUDA paths: no GPU here")
+def test_gpu_check(tmp_path):
+    "On a machine with a GPU: fp16 killed and resumed, 2-process nccl (with 2 GPUs), CUDA streams, costs with CUDA tensors"
+    res = run([PY, str(ROOT/'benchmarks'/'gpu_check.py'), '--quick', '--out', str(tmp_path)], timeout=600)
+    check_rc(res, 'benchmarks/gpu_check.py')
+    assert 'FAILED' not in (tmp_path/'gpu_check.md').read_text()
