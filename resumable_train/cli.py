@@ -10,7 +10,8 @@ import argparse, datetime, hashlib, json, sys, time, warnings
 from pathlib import Path
 import torch
 from torch import nn
-from .files import read_checkpoint, resume_record, CheckpointError, _unpack
+from . import __version__
+from .files import read_checkpoint, resume_record, CheckpointError, history_log_info, _unpack
 from .store import as_store, is_url, locate, LocalStore, StoreError
 
 # %% auto #0
@@ -83,15 +84,18 @@ def checkpoint_info(file)->dict:
     weights = state if kind == 'weights' else state['model']
     tensors = [v for v in weights.values() if isinstance(v, torch.Tensor)] if isinstance(weights, dict) else []
     info = dict(file=str(file), size=st.size, modified=st.modified, kind=kind, with_opt=kind != 'weights',
-                n_tensors=len(tensors), n_values=sum(t.numel() for t in tensors), keys=list(weights)[:3] if kind == 'weights' else None)
+                n_tensors=len(tensors), n_values=sum(t.numel() for t in tensors), keys=list(weights) if kind == 'weights' else None)
     rec = resume_record(state)
     if rec is None: return dict(info, resume=False)
     pos = None
     if rec.get('epoch') is not None:
         setup = rec.get('setup') or {}
-        pos = dict(epoch=rec['epoch'], iter=rec['iter'], n_iter=setup.get('n_iter'), n_epoch=setup.get('n_epoch'),
-                   train_iter=rec.get('train_iter'), pct_train=rec.get('pct_train'))
-    return dict(info, resume=True, version=rec.get('version'), position=pos, fit_index=rec.get('fit_index'), **_world(rec),
+        pos = dict(epoch=rec['epoch']+1, batch=rec['iter'], n_epoch=setup.get('n_epoch'), n_iter=setup.get('n_iter'),
+                   train_iter=rec.get('train_iter'), pct_train=rec.get('pct_train'))  # numbered from 1, as the text and the progress bar
+    w = _world(rec)
+    fit = rec.get('fit_index')
+    return dict(info, resume=True, version=rec.get('version'), position=pos, fit_call=None if fit is None else fit+1,
+                world_size=w['world_size'], **({'elastic': True} if w['elastic'] and w['world_size'] > 1 else {}),
                 metrics=_metrics(rec), meta={k:_num(v) for k,v in (rec.get('meta') or {}).items()})
 
 # %% ../nbs/04_cli.ipynb #f7e3b7b7
@@ -104,8 +108,8 @@ def _bytes(n):
 
 def _pos(p):
     "A resume point's position numbered as fastai's progress bar numbers it: epochs and batches from 1, batches done so far"
-    if p['iter'] == 0: return f"after epoch {p['epoch']}/{p['n_epoch']}" if p['epoch'] else f"start of epoch 1/{p['n_epoch']}"
-    return f"epoch {p['epoch']+1}/{p['n_epoch']}, after batch {p['iter']}/{p['n_iter']}"
+    if p['batch'] == 0: return f"after epoch {p['epoch']-1}/{p['n_epoch']}" if p['epoch'] > 1 else f"start of epoch 1/{p['n_epoch']}"
+    return f"epoch {p['epoch']}/{p['n_epoch']}, after batch {p['batch']}/{p['n_iter']}"
 
 def _where(info):
     "A short description of where a checkpoint's run stands"
@@ -128,7 +132,7 @@ def _table(info)->str:
     rows = [('file', info['file']), ('status', f"valid, {_bytes(info['size'])}, modified {_when(info['modified'])}")]
     n = info['n_tensors']
     what = f"{n} tensor{'s'*(n != 1)}, {info['n_values']:,} values"
-    if info['kind'] == 'weights': rows.append(('holds', f"{what} (keys {_keys(info['keys'])}{' and more' if info['n_tensors'] > 3 else ''})"))
+    if info['kind'] == 'weights': rows.append(('holds', f"{what} (keys {_keys(info['keys'])})"))
     else: rows.append(('holds', f"model ({what}), optimizer" + (f", resume record format {info['version']}" if info['resume'] else '')))
     if not info['resume']:
         rows.append(('position', _SAYS[info['kind']]))
@@ -139,9 +143,10 @@ def _table(info)->str:
         rows += [('position', f"{_pos(p)} (numbered as the progress bar: epochs and batches from 1)"),
                  ('trained', f"{p['train_iter']} batches (train_iter)"),
                  ('schedule', f"pct_train {p['pct_train']:.6f}")]
-    rows.append(('processes', f"{info['world_size']} (world size); " + ("another number continues it with elastic=True" if info['elastic'] else
+    elastic = info['world_size'] == 1 or info.get('elastic')  # one process: the position is its batch
+    rows.append(('processes', f"{info['world_size']} (world size); " + ("another number continues it with elastic=True" if elastic else
                  "only this number continues it (no sample position: written by resumable_train 0.1)")))
-    if info['fit_index'] is not None: rows.append(('fit call', f"{info['fit_index']+1} (the script's fit calls counted from 1)"))
+    if info['fit_call'] is not None: rows.append(('fit call', f"{info['fit_call']} (the script's fit calls counted from 1)"))
     if m['values']: rows.append(('last epoch', f"epoch {m['epoch']+1}: " + ', '.join(f"{k} {_fmt(v)}" for k,v in m['values'].items())))
     if m['loss'] is not None: rows.append(('last batch', f"smoothed loss {_fmt(m['loss'])}, lr {_fmt(m['lr'])}"))
     meta = info['meta']
@@ -158,9 +163,22 @@ def _err(msg)->int:
     print(f"resumable-train: {msg}", file=sys.stderr)
     return 2
 
-_NUMBERING = "position.epoch and position.iter count from 0 (iter: the next batch to train); fit_index counts from 0"
+_NUMBERING = ("as the text: position.epoch counts from 1 (the epoch the next batch belongs to), position.batch is how many of its batches "
+              "were trained, fit_call counts from 1")
+
+def _history(a)->int:
+    "`inspect` of a history log, which the resume points next to it refer to"
+    try: h = history_log_info(a.path)
+    except (OSError, ValueError) as e: return _err(f"{a.path} {e}")
+    part = f"; then {h['partial_bytes']} bytes of a row cut short (no resume point refers to them)" if h['partial_bytes'] else ''
+    if a.json: print(json.dumps(dict(file=str(a.path), valid=True, kind='history', **h), indent=1))
+    else: print(_rows([('file', str(a.path)), ('holds', f"a history log: {h['rows']:,} rows of the per-batch history of a fit call{part}"),
+                       ('columns', ', '.join(h['columns'])),
+                       ('used by', "the resume points next to it, each up to the row it names; inspect one of them for the run's position")]))
+    return 0
 
 def _inspect(a)->int:
+    if not is_url(a.path) and str(a.path).endswith('.history') and Path(a.path).is_file(): return _history(a)
     try:
         if not is_url(a.path) and Path(a.path).is_dir():
             raise CheckpointError(f"{a.path} is a folder, not a checkpoint file; `resumable-train ls {a.path}` lists the checkpoints in it")
@@ -188,16 +206,24 @@ def _ls(a)->int:
     try:
         store = _store(a.dir)
         entries = sorted((e for e in store.ls() if e.name.endswith('.pth')), key=lambda e: (e.modified or 0, e.name), reverse=True)
-    except StoreError as e: return _err(e)
-    if not entries:
-        print(f"no checkpoints (*.pth) in {store.url}")
-        return 0
-    rows = [('modified', 'size', 'status', 'position', 'file')]
+    except StoreError as e:
+        if not a.json: return _err(e)
+        print(json.dumps(dict(folder=str(a.dir), error=str(e)), indent=1))
+        return 2
+    rows,found = [('modified', 'size', 'status', 'position', 'file')],[]
     for e in entries:
         f = store.where(e.name)
         try: info = checkpoint_info(f); status,where = 'valid',_where(info)
-        except CheckpointError as err: status,where = 'invalid' if e.complete else 'incomplete',str(err).removeprefix(str(f)).strip()
+        except CheckpointError as err:
+            info,status,where = None,'invalid' if e.complete else 'incomplete',str(err).removeprefix(str(f)).strip()
         rows.append((_when(e.modified or 0), _bytes(e.size), status, where, e.name))
+        found.append(dict(name=e.name, status=status, **(info or dict(file=str(f), size=e.size, modified=e.modified, error=where))))
+    if a.json:
+        print(json.dumps(dict(folder=store.url, checkpoints=found, numbering=_NUMBERING), indent=1))
+        return 0
+    if not entries:
+        print(f"no checkpoints (*.pth) in {store.url}")
+        return 0
     ws = [max(len(r[i]) for r in rows) for i in range(4)]
     print(f"{store.url}:")
     for r in rows: print('  '.join(f"{c:<{w}}" for c,w in zip(r, ws)) + '  ' + r[4])
@@ -230,13 +256,15 @@ def _demo(a)->int:
 # %% ../nbs/04_cli.ipynb #232f2cc6
 def _parser():
     p = argparse.ArgumentParser(prog='resumable-train', description="Exact resume for fastai training: look inside checkpoints, run the demo")
+    p.add_argument('--version', action='version', version=f"resumable-train {__version__}")
     sub = p.add_subparsers(dest='cmd', required=True, metavar='{inspect,ls,demo}')
     s = sub.add_parser('inspect', help="what a checkpoint holds")
-    s.add_argument('path', help="a .pth file, or the URL of one (s3://bucket/run1/autoresume-0003.pth)")
+    s.add_argument('path', help="a .pth file or a .history log, or the URL of a .pth file (s3://bucket/run1/autoresume-0003.pth)")
     s.add_argument('--json', action='store_true', help="print JSON, for scripts")
     s.set_defaults(f=_inspect)
     s = sub.add_parser('ls', help="the checkpoints in a folder, newest first")
     s.add_argument('dir', help="a folder of .pth files (or a Learner's path, whose models/ holds them), or a URL (s3://bucket/run1)")
+    s.add_argument('--json', action='store_true', help="print JSON, for scripts")
     s.set_defaults(f=_ls)
     s = sub.add_parser('demo', help="train a small CNN on digits with AutoResume; Ctrl-C it, rerun it, it resumes")
     s.add_argument('--dir', type=Path, default=Path('resumable-train-demo'), help="where the run keeps its checkpoints (default: %(default)s)")

@@ -13,7 +13,7 @@ from fastcore.foundation import L
 
 # %% auto #0
 __all__ = ['FORMAT_VERSION', 'make_checkpoint', 'resume_record', 'write_checkpoint', 'check_record', 'start_history',
-           'append_history', 'adopt_history', 'CheckpointError', 'read_checkpoint', 'position_text']
+           'append_history', 'adopt_history', 'history_log_info', 'CheckpointError', 'read_checkpoint', 'position_text']
 
 # %% ../nbs/00a_files.ipynb #f023d4f0
 def _unpack(o):
@@ -368,6 +368,17 @@ def adopt_history(ref:dict, # the `history` reference of a record `read_checkpoi
     if lg is None or lg.sha.hexdigest() != ref.get('sha256'): return  # read elsewhere (another node's copy, sent over): not this file
     lg.owner = owner([c[0] for c in lg.columns])
     _logs[str(lg.path)] = lg
+
+# %% ../nbs/00a_files.ipynb #1165be37
+def history_log_info(file)->dict:
+    "The columns and the number of rows of the history log `file`; `ValueError` if it is not one"
+    data = Path(file).read_bytes()
+    head,_,rows = data[len(_LOG_MAGIC):].partition(b'\n')
+    try: cols = json.loads(head) if data.startswith(_LOG_MAGIC) else None
+    except ValueError: cols = None
+    if not isinstance(cols, list): raise ValueError("is not a history log (it does not start with a log's header)")
+    n,rest = divmod(len(rows), sum(getattr(torch, dt).itemsize*math.prod(shape) for _,_,dt,shape in cols))
+    return dict(columns=[c[0] for c in cols], rows=n, partial_bytes=rest)
 
 # %% ../nbs/00a_files.ipynb #1b71ade7
 class CheckpointError(ValueError):

@@ -125,7 +125,7 @@ def test_inspect_verdict(files, answers, name):
     info = json.loads(out)
     assert rc == want and err == '' and info['valid'] == (want == 0), (rc, out, err)
     if want: assert all(w in info['error'] for w in words), info
-    if name == 'resume.pth': assert info['position']['epoch'] == 1 and 'count from 0' in info['numbering'], info
+    if name == 'resume.pth': assert info['position']['epoch'] == 2 and 'as the text' in info['numbering'], info
 
 def test_ls(files, answers):
     "`ls` gives each file the verdict `inspect` gives it"
