@@ -98,44 +98,6 @@ def _into(new, buf=None):
         return type(new)(_into(v, b) for v,b in zip(new, bufs))
     return new
 
-# %% ../nbs/02_autoresume.ipynb #65314c22
-_held = {}  # the lock file of each run this process holds -> its descriptor
-
-def _tmp_files(folder, fname):
-    "The temporary files of writes of run `fname` (resume points and history logs) that did not finish"
-    pat = re.compile(rf'\.{re.escape(fname)}-(\d+\.pth|fit\d+\.history)\.\w+\.tmp')
-    return [p for p in Path(folder).iterdir() if pat.fullmatch(p.name)] if Path(folder).is_dir() else []
-
-def _holder(fd)->str:
-    "The process that holds the lock on `fd`, as the system reports it"
-    fmt = '@hhqqi'  # struct flock: l_type, l_whence, l_start, l_len, l_pid
-    try: pid = struct.unpack_from(fmt, fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack(fmt, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0).ljust(64, b'\0')))[-1]
-    except OSError: return "another process"
-    return f"another process (pid {pid})" if pid > 0 else "another process"
-
-def _lock_run(folder, fname, wait:float=0)->Path:
-    "Hold run `fname`'s lock in `folder`, waiting at most `wait` seconds for another process to release it; remove the run's stale temporary files"
-    f = (Path(folder)/f'.{fname}.lock').absolute()
-    if str(f) in _held: return f
-    f.parent.mkdir(parents=True, exist_ok=True)
-    fd,deadline = os.open(f, os.O_RDWR|os.O_CREAT|os.O_CLOEXEC, 0o666),time.monotonic() + wait
-    while True:
-        try: fcntl.lockf(fd, fcntl.LOCK_EX|fcntl.LOCK_NB); break
-        except OSError:
-            if time.monotonic() < deadline: time.sleep(0.1); continue
-            holder = _holder(fd)
-            os.close(fd)
-            raise RuntimeError(f"{f.parent} is in use: {holder} is training run '{fname}' there. Wait until it ends "
-                               "(AutoResume(wait=...) waits for it), stop it, or give AutoResume another fname") from None
-    _held[str(f)] = fd
-    for p in _tmp_files(folder, fname): p.unlink(missing_ok=True)  # writes that a kill interrupted: no live process writes them now
-    return f
-
-def _unlock_run(f):
-    "Let other processes train the run again (for tests: a process holds its runs until it ends)"
-    fd = _held.pop(str(f), None)
-    if fd is not None: os.close(fd)  # closing releases the lock
-
 # %% ../nbs/02_autoresume.ipynb #127654cc
 def agree(x:int)->int:
     "The maximum of `x` over all ranks (the value itself without `torch.distributed`)"
@@ -215,7 +177,7 @@ def _scan(self:AutoResume):
     file,state,err,group = None,None,None,dist.is_available() and dist.is_initialized()
     if not group or int(os.environ.get('LOCAL_RANK', dist.get_rank())) == 0:   # one reader per node, in the node's own folder
         try:
-            if not rank_distrib() and isinstance(self.store, LocalStore): _lock_run(self.folder, self.fname, self.wait)
+            if not rank_distrib(): self.store.lock(self.fname, self.wait)
             file,state = newest_valid(self.store, self.fname)
         except RuntimeError as e: err = str(e)
     self.src = 0

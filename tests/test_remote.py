@@ -2,7 +2,7 @@
 
 The store alone: a round trip, an interrupted upload, damaged objects, wrong credentials, an unreachable server. Then training scripts
 with `AutoResume(dir='s3://...')` in forked processes: killed, damaged, cut off from the server, refused; and the command on a URL."""
-import random, signal, subprocess, time
+import json, os, random, signal, socket, subprocess, time
 import pytest, torch
 import s3fs  # noqa: F401 (imported once here, not in each forked run; `forker` is conftest's)
 from resumable_train.files import CheckpointError
@@ -99,8 +99,9 @@ def nth_batch(n):
     return f
 
 def objects(s3, prefix)->dict:
-    "Every object under `prefix` with its ETag and time: equal results mean nothing was written"
-    return {o['Key']: (o['ETag'], o['LastModified']) for o in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get('Contents', [])}
+    "Every object under `prefix` with its ETag and time, the run lock aside: equal results mean no resume point was written"
+    return {o['Key']: (o['ETag'], o['LastModified']) for o in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get('Contents', [])
+            if not o['Key'].endswith('.lock')}
 
 def same_as_ref(ref, out):
     d = compare(ref['out'], out)
@@ -178,7 +179,57 @@ def test_wrong_credentials_run(forker, s3, tmp_path):
     url = f's3://{s3.bucket}/creds'
     rc,text = run(forker, [tmp_path/'out.pth', url], dict(s3.env, AWS_SECRET_ACCESS_KEY='wrong'))
     assert rc == 1 and 'BATCH' not in text, text[-3000:]
-    assert 'StoreError' in text and f'Could not list {url}: access refused (PermissionError' in text and 'check the credentials' in text, text[-3000:]
+    assert 'StoreError' in text and f'Could not lock {url}/.autoresume.lock: access refused (PermissionError' in text, text[-3000:]
+    assert 'check the credentials' in text and 'attempts' not in text, text[-3000:]   # refused at once, not retried
+
+def test_missing_bucket_run(forker, s3, tmp_path):
+    "A bucket that does not exist: refused before training (when the run takes its lock), at once, naming the URL"
+    url = 's3://no-such-bucket/run1'
+    rc,text = run(forker, [tmp_path/'out.pth', url], s3.env)
+    assert rc == 1 and 'BATCH' not in text, text[-3000:]
+    assert f'Could not lock {url}/.autoresume.lock: not found' in text and 'attempts' not in text, text[-3000:]
+
+def lock_doc(s3, key)->dict: return json.loads(s3.client().get_object(Bucket=s3.bucket, Key=key)['Body'].read())
+
+def test_second_run_refused(forker, s3, tmp_path):
+    "Two processes on one URL: the second is refused before training, naming the first's host, pid and start; the first ends exactly"
+    url = f's3://{s3.bucket}/twice'
+    p = forker.start(SCRIPT, tmp_path/'a.pth', url, env=dict(s3.env, KILLRERUN_SLEEP='0.3'), cwd=tmp_path)
+    try:
+        for line in p.stdout:
+            if line.startswith('BATCH '): break
+        doc = lock_doc(s3, 'twice/.autoresume.lock')
+        assert doc['pid'] == p.pid and doc['host'] == socket.gethostname(), doc
+        rc,text = run(forker, [tmp_path/'b.pth', url], s3.env)
+        assert rc == 1 and 'BATCH' not in text, text[-3000:]
+        assert f"{url} is in use: process {p.pid} on {socket.gethostname()} has been training run 'autoresume' there since" in text, text[-3000:]
+    finally: p.kill_group()
+
+def test_lease_passes(s3):
+    "A lock whose lease ran out (its machine died) is taken over; one within its lease, on another machine, is not; renewals keep it"
+    from resumable_train.store import _held
+    url,key = f's3://{s3.bucket}/lease','lease/.exp.lock'
+    old = dict(host='elsewhere', boot='', pid=1, since=time.time()-100, expires=time.time()-1)
+    s3.client().put_object(Bucket=s3.bucket, Key=key, Body=json.dumps(old).encode())
+    st = as_store(url, **s3.options())
+    st.lock('exp', lease=1.5)
+    try:
+        doc = lock_doc(s3, key)
+        assert (doc['host'], doc['pid']) == (socket.gethostname(), os.getpid()), doc
+        time.sleep(2.5)  # past the lease: renewed meanwhile
+        assert lock_doc(s3, key)['expires'] > time.time(), "the lease was not renewed"
+        other = as_store(url, **s3.options())
+        _held.pop(other._key('.exp.lock'))   # as another process would see it
+        s3.client().put_object(Bucket=s3.bucket, Key=key, Body=json.dumps(dict(old, expires=time.time()+60)).encode())
+        with pytest.raises(RuntimeError, match=f"{url} is in use: process 1 on elsewhere"): other.lock('exp')
+    finally: s3.client().delete_object(Bucket=s3.bucket, Key=key)
+
+def test_old_s3fs_refused(s3, monkeypatch):
+    "An s3fs without conditional writes is refused with the version to install (the `s3` extra asks for it)"
+    import resumable_train.store as store
+    monkeypatch.setattr(store, '_exclusive_writes', lambda fs: False)
+    with pytest.raises(StoreError, match=r"has no conditional writes.*pip install 's3fs>=2024.12.0'"):
+        as_store(f's3://{s3.bucket}/old', **s3.options()).lock('exp')
 
 def test_sigterm_waits_bounded(forker, s3, ref, tmp_path):
     "SIGTERM while an upload is in flight: the stop waits for it; when it takes longer than stop_wait, the run stops without it"
