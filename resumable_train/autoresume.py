@@ -58,10 +58,11 @@ def newest_valid(path, fname:str='autoresume'):
 # %% ../nbs/02_autoresume.ipynb #91601401
 class _Writer:
     "Run writes (`save()`, then `then()`) one at a time, in the caller's thread or in a background thread"
-    def __init__(self, background=False): self.background,self.thread,self.error = background,None,None
+    def __init__(self, background=False): self.background,self.thread,self.error,self.cancel = background,None,None,threading.Event()
 
     def __call__(self, save, then=None, background=None): # `background` overrides the writer's own for this write
         self.wait()
+        self.cancel.clear()
         if not (self.background if background is None else background): return self._write(save, then)
         self.thread = threading.Thread(target=self._write, args=(save, then, True), daemon=True)
         self.thread.start()
@@ -73,6 +74,12 @@ class _Writer:
         except BaseException as e:
             if not background: raise
             self.error = e
+
+    def __reduce__(self): return (_Writer, (self.background,))  # `learn.export` pickles the callbacks: a new writer, idle
+
+    def abandon(self):
+        "Stop the write in flight at its next chunk (`WriteCancelled`), removing its temporary file"
+        self.cancel.set()
 
     @property
     def busy(self)->bool: return self.thread is not None and self.thread.is_alive()
@@ -169,7 +176,10 @@ class AutoResume(Callback):
             raise ValueError(f"AutoResume(keep={keep!r}): keep at least 1 resume point; with none, a stopped run could not continue")
         store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,stop_wait')
         self.done,self.fits,self.ends,self.unfinished,self.due = 0,[],[],False,False
+        self.calls,self.cut,self.last_point,self.stopping = [],False,None,False  # see "A cell run again" and "Signals"
         self.writer,self.host_copy,self.fitting = _Writer(background),None,False
+
+    def __getstate__(self): return dict(self.__dict__, calls=[], cut=False, unfinished=False)  # `learn.export`: this process's fit calls stay here
 
     @property
     def store(self):
@@ -275,6 +285,7 @@ def _decide(self:AutoResume, plan):
         self.ends = self.ends[:i]
         return
     if rec.get('fit_index') is None: raise _different_run(self.folder, self.fname, f"{_name(file)} was not written by AutoResume")
+    self.last_point = (file, _describe(rec))
     f,end,fits,ends = rec['fit_index'],rec['epoch'] is None,rec['fits'],rec.get('ends', [])
     diff = [] if i >= len(fits) else [k for k,v in now.items() if fits[i].get(k) != v and not (self.elastic and k in _WORLD_KEYS)]
     if diff:
@@ -284,9 +295,10 @@ def _decide(self:AutoResume, plan):
         name = _name(file) if f == i else ends[i] if i < len(ends) else None
         if name is None: raise _refusal(self.folder, self.fname, f"AutoResume: fit call {i+1} finished in an earlier run, but {file} does not name the file of its end state")
         end_rec = self._load_end(self.store.where(name), plan, i)
-        if f == i: self._say(f"AutoResume: this run already finished at {file} ({_describe(end_rec)}); nothing to train. "
+        if f == i and not self.again: self._say(f"AutoResume: this run already finished at {file} ({_describe(end_rec)}); nothing to train. "
                              f"Delete {self.folder}/{self.fname}-*.pth to train again.")
-        else: self._say(f"AutoResume: fit call {i+1} finished in an earlier run; its end state is loaded from {self.store.where(name)}")
+        else: self._say(f"AutoResume: fit call {i+1} finished {'before the interruption' if self.again else 'in an earlier run'}; "
+                        f"its end state is loaded from {self.store.where(name)}")
         self.skipped = True
         raise CancelFitException()
     if f == i:
@@ -300,6 +312,55 @@ def _decide(self:AutoResume, plan):
         raise _refusal(self.folder, self.fname, f"AutoResume: the newest resume point in {self.folder} is at {_describe(rec)}, but this process "
                        f"has already finished fit call {i}: the files changed while it ran")
     self.ends = list(ends[:i])
+
+# %% ../nbs/02_autoresume.ipynb #a7c3e1d1
+def _cell_file(name:str)->str: return re.sub(r'^<ipython-input-\d+-', '<ipython-input-', name)  # terminal IPython numbers each run of a cell
+
+_LIBS = {'fastai', 'fastcore', 'torch', 'resumable_train'}  # the packages between the user's code and a fit call
+
+def _call_site(f=None)->tuple:
+    "Where the running fit call was called from: each frame's file, function and line, up to the first frame of the user's code"
+    f,out = f or sys._getframe(1),[]
+    while f is not None:
+        out.append((_cell_file(f.f_code.co_filename), f.f_code.co_name, f.f_lineno))
+        if f.f_globals.get('__name__', '').partition('.')[0] not in _LIBS: break
+        f = f.f_back
+    return tuple(out)
+
+def _cell_run():
+    "The IPython execution (a notebook cell run) running now; `None` outside IPython, where the process is one cell"
+    ip = getattr(sys.modules.get('IPython'), 'get_ipython', lambda: None)()
+    return getattr(ip, 'execution_count', None)
+
+def _site_text(site)->str: return f"{Path(site[-1][0]).name}:{site[-1][2]}" if site else 'nowhere'  # the line of the user's code
+
+def _call_diff(then:dict, now:dict)->list:
+    "What differs between the fit calls `then` and `now` (`AutoResume._identity`), in words"
+    out = [] if then['site'] == now['site'] else [f"called from {_site_text(now['site'])}, then from {_site_text(then['site'])}"]
+    out += [f"{k}: {then['setup'].get(k)} then, {v} now" for k,v in now['setup'].items() if then['setup'].get(k) != v]
+    return out + _plan_changes(then['plan'], now['plan'])
+
+@patch
+def _identity(self:AutoResume, plan:dict)->dict:
+    "What tells this fit call from the others: where it is called from, in which cell run, its setup and plan"
+    return dict(site=_call_site(), cell=_cell_run(), setup=run_setup(self.learn, self.n_epoch), plan=plan)
+
+@patch
+def _which_call(self:AutoResume, me:dict)->int:
+    "The number of the fit call `me`: the next one; right after an interruption, the call of the interrupted cell that `me` is (see above)"
+    self.again = self.unfinished or self.cut  # a cell run again
+    if not self.again: return self.done
+    n = self.fit_index  # the interrupted call
+    first = n
+    while first and self.calls[first-1]['cell'] == self.calls[n]['cell']: first -= 1
+    j = next((j for j in range(first, n+1) if not _call_diff(self.calls[j], me)), None)
+    if j is not None: return j
+    if not self.unfinished: return self.done  # the interrupted cell's calls completed: this is the next call
+    first = f"fit calls {first+1} to {n+1}" if first < n else f"fit call {n+1}"
+    raise _refusal(self.folder, self.fname, f"AutoResume: fit call {n+1} was interrupted in this process, and this fit call is none of the calls "
+                   f"that running its cell again makes ({first}): it differs from fit call {n+1} ({'; '.join(_call_diff(self.calls[n], me))}). "
+                   "Run the cell again as it was to continue, or build the Learner again to run the calls from the first (those that "
+                   "completed are loaded, not trained again)")
 
 # %% ../nbs/02_autoresume.ipynb #29f0b071
 _BAR_EVENTS = ('before_fit', 'before_train', 'before_validate')  # the `ProgressCallback` events that start a console bar
@@ -379,7 +440,7 @@ AutoResume.learn = property(lambda self: self.__dict__.get('_learn'), _set_learn
 def _save(self:AutoResume, end:bool=False, # the end of the fit call, which the ledger keeps
           stopping:float|None=None, # when a signal stops the run: the seconds left to wait for the write in flight
           periodic:bool=False): # one of the `every_iter`/`every_secs` resume points, which wait for no write in flight
-    "Write a resume point at this moment of training"
+    "Write a resume point at this moment of training; the name it is written as (`None`: not written)"
     self.due = periodic and self.background and bool(agree(self.writer.busy))
     if self.due: return  # the previous one is still being written: this one is taken at a batch after it
     name = f'{self.fname}-{self.next_num:04d}.pth'
@@ -387,13 +448,14 @@ def _save(self:AutoResume, end:bool=False, # the end of the fit call, which the 
     ends = self.ends[:self.fit_index] + ([name] if end else [])
     extra = dict(fit_index=self.fit_index, fits=self.fits, ends=ends, **({'last_epoch': self.epoch} if end else {}))
     if end: self.ends = ends
-    if rank_distrib(): return self.learn.save(_stem(self.store.where(name)), extra=extra)
+    if rank_distrib(): return self.learn.save(_stem(self.store.where(name)), extra=extra) and name
     if not self.writer.wait(stopping): return  # before copying: one copy of the state at a time
     ck = checkpoint(self.learn, extra=extra)
     start = _log_history(self.learn, ck, self.store, self.log)  # appended here: a few rows
     if self.background: ck = self.host_copy = _into(ck, self.host_copy)
     self.writer(partial(self._write, ck, name, start), then=self._prune, background=self.background or stopping is not None)
     self.last_save = time.monotonic()
+    return name
 
 @patch(as_prop=True)
 def log(self:AutoResume)->str: return f'{self.fname}-fit{self.fit_index+1}.history'  # the per-batch history of the fit call
@@ -401,8 +463,9 @@ def log(self:AutoResume)->str: return f'{self.fname}-fit{self.fit_index+1}.histo
 @patch
 def _write(self:AutoResume, ck, name, start=None):
     "Write the resume point `ck` as `name`, and start the history log it could not append to"
-    self.store.save(ck, name)
+    self.store.save(ck, name, cancel=self.writer.cancel)
     if start: start()
+    self.last_point = (self.store.where(name), _describe(resume_record(ck)))  # written and durable: where a rerun continues
 
 @patch
 def _prune(self:AutoResume):
@@ -416,12 +479,34 @@ def _prune(self:AutoResume):
 # %% ../nbs/02_autoresume.ipynb #4e0a3870
 _ONE_SIGNAL = 0.5  # seconds within which the same signal twice counts once
 
+def _alert(msg:str):
+    "Print `msg` from a signal handler, which may have interrupted a print"
+    if rank_distrib(): return
+    try: print(msg, file=sys.stderr, flush=True)
+    except RuntimeError: os.write(2, (msg+'\n').encode())  # a reentrant call into the stream being written
+
 @patch
 def _on_signal(self:AutoResume, signum, frame):
     now = time.monotonic()
     if signum == self.signum and now - self.signal_time < _ONE_SIGNAL: return
+    if self.stopping: return self._pressed_again(now)
     if self.signum == signal.SIGINT and signum == signal.SIGINT: raise KeyboardInterrupt
     self.signum,self.signal_time = signum,now
+
+@patch
+def _pressed_again(self:AutoResume, now):
+    "A signal while the stop writes its resume point: the first says what is going on, the next abandons the write"
+    self.signal_time,self.presses = now,self.presses+1
+    if self.presses == 1: return _alert("AutoResume: still writing the resume point to stop at; interrupt once more to abandon it "
+                                        f"(its temporary file is removed, and {self._kept()})")
+    self.writer.abandon()
+    _alert("AutoResume: abandoning the resume point being written")
+
+@patch
+def _kept(self:AutoResume)->str:
+    "Where a rerun continues from, in words"
+    if self.last_point is None: return "a rerun starts the run from the beginning: it has no complete resume point"
+    return f"a rerun continues from {self.last_point[0]} ({self.last_point[1]})"
 
 @patch
 def _install_handlers(self:AutoResume):
@@ -443,9 +528,10 @@ def before_fit(self:AutoResume):
     self.fitting = getattr(self.learn, '_fitting', False)
     if not self.fitting: return  # `validate` and `get_preds` send `before_fit` too; a fit that bypasses `Learner.fit` fails in `before_train`
     self._restore_handlers()  # a fit call that an exception ended left them
-    self.fit_index = self.done
-    self.signum,self.signal_time,self.skipped,self.stopped = 0,0.,False,False
     plan = fit_plan(self.learn)  # before a resume point's optimizer state replaces the hyperparameters this call was given
+    self.fit_index = self._which_call(me := self._identity(plan))
+    self.calls,self.cut = self.calls[:self.fit_index] + [me],False
+    self.signum,self.signal_time,self.skipped,self.stopped,self.presses = 0,0.,False,False,0
     self.fits = self.fits[:self.fit_index] + [run_setup(self.learn, self.n_epoch)]
     workers = getattr(getattr(self.dls.train, 'fake_l', self.dls.train), 'num_workers', 0)  # fastai's DataLoader, or PyTorch's
     self.added_seed = bool(workers) and not any(isinstance(cb, SeedBatches) for cb in self.learn.cbs)
@@ -476,21 +562,30 @@ def after_epoch(self:AutoResume):
 
 @patch
 def _stop(self:AutoResume, signum):
-    "Write a resume point, waiting at most `stop_wait` seconds for the writes, and stop"
-    deadline = time.monotonic() + self.stop_wait
+    "Write a resume point, waiting at most `stop_wait` seconds for the writes, and stop, saying where a rerun continues"
+    deadline,name,self.stopping = time.monotonic() + self.stop_wait,None,True
     try:
-        self._save(stopping=self.stop_wait)
-        done = self.writer.wait(max(0., deadline - time.monotonic()))
-    except Exception as e:
-        warnings.warn(f"AutoResume: {e}; stopping without this resume point (the newest complete one stands)")
-        done = True
-    if not done: self._say(f"AutoResume: the resume point being written to {self.store.url} did not finish within {self.stop_wait} s; "
-                           "stopping without it (the newest complete one stands)", own_line=True)
+        name = self._save(stopping=self.stop_wait)
+        if not self.writer.wait(max(0., deadline - time.monotonic())):
+            self._say(f"AutoResume: the resume point being written to {self.store.url} did not finish within {self.stop_wait} s; abandoning it", own_line=True)
+            self._abandon()
+    except WriteCancelled: pass
+    except Exception as e: warnings.warn(f"AutoResume: {e}")
+    finally: self.stopping = False
+    saved = name is not None and self.last_point is not None and _name(self.last_point[0]) == name
     self.stopped,self.signum = True,signum
+    self.stop_note = "resume point saved" if saved else f"no resume point was written there: {self._kept()}"
     ep,it = _position(self.learn)
     self._say(f"AutoResume: stopped by {signal.Signals(signum).name} at {position_text(ep, it, self.n_epoch, len(self.dls.train))}; "
-              "resume point saved, run the same command again to continue", own_line=True)
+              f"{self.stop_note}, run the same command again to continue", own_line=True)
     raise CancelFitException()
+
+@patch
+def _abandon(self:AutoResume)->bool:
+    "Abandon the write in flight, removing its temporary file; `False` if it still runs `stop_wait` seconds later (an upload)"
+    self.writer.abandon()
+    try: return self.writer.wait(self.stop_wait)
+    except WriteCancelled: return True
 
 @patch
 def _cleanup(self:AutoResume):
@@ -506,8 +601,14 @@ def _cleanup(self:AutoResume):
 def after_cancel_fit(self:AutoResume):
     "A stop by a signal ends the process here, before other callbacks' `after_fit` (which may fail on a half-trained run)"
     if not (self.fitting and self.stopped): return
+    self.fitting = False
     self._cleanup()
-    if self.signum == signal.SIGINT: raise KeyboardInterrupt("AutoResume: stopped by Ctrl-C; resume point saved")
+    self._exit()
+
+@patch
+def _exit(self:AutoResume):
+    "End the process as the stop by signal `signum` asks: `KeyboardInterrupt` for Ctrl-C, else exit status 128+signal"
+    if self.signum == signal.SIGINT: raise KeyboardInterrupt(f"AutoResume: stopped by Ctrl-C; {self.stop_note}")
     raise SystemExit(128 + self.signum)
 
 @patch
@@ -519,3 +620,18 @@ def after_fit(self:AutoResume):
         self.writer.wait()
         self.done,self.unfinished = self.fit_index+1,False
     finally: self._cleanup()
+    if not (stop := agree(self.signum)): return
+    self.signum,self.cut,self.stop_note = stop,True,"the end state of this fit call is saved"  # a signal during the end's write: the next safe point
+    self._say(f"AutoResume: stopped by {signal.Signals(stop).name} at the end of fit call {self.fit_index+1}; {self.stop_note}, "
+              "run the same command again to continue", own_line=True)
+    self._exit()
+
+@patch
+def left_fit(self:AutoResume):
+    "`Learner.fit` ended, whatever the way: after an exception, or Ctrl-C, put the handlers back and finish the write in flight"
+    if not self.fitting: return
+    self.fitting = False
+    self._cleanup()
+    try: self.writer.wait()
+    except (WriteCancelled, KeyboardInterrupt): self._abandon()  # interrupted while it waits: the write is abandoned
+    except Exception as e: warnings.warn(f"AutoResume: the resume point being written failed ({e}); {self._kept()}")

@@ -578,6 +578,11 @@ def _plan_resume(learn, rp, elastic)->bool:
 
 _loads = 0  # calls of the package's `Learner.load`: `_load_through` checks that a subclass's `load` reaches it
 
+def _check_load_kwargs(kwargs:dict):
+    "Refuse, as fastai's `load` (through `torch.load`) does, a keyword argument `load` does not know: a misspelling must not pass unnoticed"
+    bad = [k for k in kwargs if k not in ('weights_only', 'mmap')]
+    if bad: raise TypeError(f"Learner.load() got an unexpected keyword argument {bad[0]!r}")
+
 @patch
 def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or an fsspec URL
          device=None, # where to put the tensors; the DataLoaders' device by default
@@ -588,10 +593,11 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
          strict_hypers:bool|None=False, # when the next fit was asked for other hyperparameters than the resume point's: refuse (True), warn (False), say nothing (None)
          elastic:bool=False, # continue a resume point written with another number of processes (see `DistributedTrainer`)
          state:dict|None=None, # the checkpoint, already read (sent by another rank); `file` then only names it
-         **kwargs # ignored: loading is always `weights_only=True`
+         **kwargs # `torch.load`'s `weights_only` and `mmap`, which change nothing: loading is always `weights_only=True`
         ):
     "Load model and optimizer state from `learn.path/learn.model_dir/file`; the next `fit` continues a resume point"
     global _loads
+    _check_load_kwargs(kwargs)
     _loads += 1
     if device is None and hasattr(self.dls, 'device'): device = self.dls.device
     if isinstance(device, int): device = torch.device('cuda', device)
@@ -654,9 +660,12 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
     cbs = L(cbs)
     if not any(isinstance(cb, SkipToIter) for cb in cbs+self.cbs): cbs += SkipToIter(start_epoch, start_iter)
     if not any(isinstance(cb, _Events) for cb in cbs+self.cbs): cbs += _Events()
-    self._fitting = True
+    self._fitting,left = True,{id(cb): cb for cb in L(self.cbs)+cbs}  # `cbs` are gone from `self.cbs` when `fit` ends
     try: _fastai['fit'](self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt)
-    finally: self._fitting = False
+    finally:
+        self._fitting = False
+        for cb in left.values():
+            if hasattr(type(cb), 'left_fit'): cb.left_fit()  # whatever way `fit` ends: fastai sends no `after_fit` after an exception
 Learner.fit._fastai = _fastai['fit']
 
 def _start_through(f):
