@@ -171,10 +171,11 @@ class AutoResume(Callback):
                  elastic:bool=False, # continue a resume point written with another number of processes (see `DistributedTrainer`)
                  dir=None, # a folder, an fsspec URL (`s3://bucket/run1`) or a store (`as_store`); `learn.path/learn.model_dir` by default
                  stop_wait:float=30, # seconds a stop by a signal waits for the resume point being written
+                 fresh_callbacks=(), # keys of callbacks added since the resume points were written, which start afresh (by default refused)
                 ):
         if not (isinstance(keep, int) and keep >= 1):
             raise ValueError(f"AutoResume(keep={keep!r}): keep at least 1 resume point; with none, a stopped run could not continue")
-        store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,stop_wait')
+        store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,stop_wait,fresh_callbacks')
         self.done,self.fits,self.ends,self.unfinished,self.due = 0,[],[],False,False
         self.calls,self.cut,self.last_point,self.stopping = [],False,None,False  # see "A cell run again" and "Signals"
         self.writer,self.host_copy,self.fitting = _Writer(background),None,False
@@ -266,7 +267,7 @@ def _load_end(self:AutoResume, file, plan, i):
         raise _refusal(self.folder, self.fname, f"AutoResume: {file} is named as the end state of fit call {i+1} but does not hold it")
     self._hypers_changed(rec.get('plan'), plan, file, "its result is used as it is")
     _load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)
-    _restore_streams(self.learn, rec)
+    _restore_streams(self.learn, rec, fresh=self.fresh_callbacks)
     self.learn.train_iter,self.learn.pct_train = rec['train_iter'],rec['pct_train']
     if rec.get('last_epoch') is not None: self.learn.epoch = rec['last_epoch']
     self.ends = list(rec.get('ends', [])[:i]) + [_name(file)]  # records of 0.1.0 have no ledger
@@ -287,10 +288,10 @@ def _decide(self:AutoResume, plan):
     if rec.get('fit_index') is None: raise _different_run(self.folder, self.fname, f"{_name(file)} was not written by AutoResume")
     self.last_point = (file, _describe(rec))
     f,end,fits,ends = rec['fit_index'],rec['epoch'] is None,rec['fits'],rec.get('ends', [])
-    diff = [] if i >= len(fits) else [k for k,v in now.items() if fits[i].get(k) != v and not (self.elastic and k in _WORLD_KEYS)]
+    diff = [] if i >= len(fits) else setup_diff(fits[i], now, skip=_WORLD_KEYS if self.elastic else ())
     if diff:
-        other = '; it ran on another number of processes: AutoResume(elastic=True) continues it on this one' if 'world_size' in diff else ''
-        raise _different_run(self.folder, self.fname, '; '.join(f"fit call {i+1} {k}: saved {fits[i].get(k)}, now {now[k]}" for k in diff) + other)
+        other = '; it ran on another number of processes: AutoResume(elastic=True) continues it on this one' if any(d.startswith('world_size:') for d in diff) else ''
+        raise _different_run(self.folder, self.fname, '; '.join(f"fit call {i+1} {d}" for d in diff) + other)
     if _finished(rec, i):
         name = _name(file) if f == i else ends[i] if i < len(ends) else None
         if name is None: raise _refusal(self.folder, self.fname, f"AutoResume: fit call {i+1} finished in an earlier run, but {file} does not name the file of its end state")
@@ -304,7 +305,7 @@ def _decide(self:AutoResume, plan):
     if f == i:
         self._hypers_changed(rec.get('plan'), plan, file, "continuing anyway, so the result matches neither run")
         self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
-        try: _load_through(self.learn, _stem(file), strict_hypers=None, state=state, elastic=self.elastic)
+        try: _load_through(self.learn, _stem(file), strict_hypers=None, state=state, elastic=self.elastic, fresh_callbacks=self.fresh_callbacks)
         except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
         self.ends = list(ends[:i])
         return
@@ -337,7 +338,7 @@ def _site_text(site)->str: return f"{Path(site[-1][0]).name}:{site[-1][2]}" if s
 def _call_diff(then:dict, now:dict)->list:
     "What differs between the fit calls `then` and `now` (`AutoResume._identity`), in words"
     out = [] if then['site'] == now['site'] else [f"called from {_site_text(now['site'])}, then from {_site_text(then['site'])}"]
-    out += [f"{k}: {then['setup'].get(k)} then, {v} now" for k,v in now['setup'].items() if then['setup'].get(k) != v]
+    out += setup_diff(then['setup'], now['setup'])
     return out + _plan_changes(then['plan'], now['plan'])
 
 @patch

@@ -278,7 +278,7 @@ def _fit_ledger(r):
     if len(ends) > i+1: _fail('ends', f"has {len(ends)} fit calls, more than fit_index+1 = {i+1}")
     for j,n in enumerate(ends):
         if n is not None and not (isinstance(n, str) and re.fullmatch(r'[\w.-]+-\d+\.pth', n)): _fail(f'ends[{j}]', f"is {n!r}, not the name of a resume point")
-    _int(r.get('last_epoch'), 'last_epoch', 0, fits[i]['n_epoch'], none_ok=True)
+    _int(r.get('last_epoch'), 'last_epoch', -1, fits[i]['n_epoch'], none_ok=True)  # -1: the end of a `fit(0)`
 
 # %% ../nbs/00a_files.ipynb #f992414d
 _LOG_MAGIC = b'resumable_train history log 1\n'

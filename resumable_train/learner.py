@@ -264,10 +264,11 @@ def _make_lazy_state(learn):
     "Make now what fastai makes at the first batch of a process and which draws random numbers: `dls.n_inp` loads an item when the dataset does not say"
     getattr(learn.dls, 'n_inp', None)
 
-def _restore_streams(learn, rec, dls=True):
+def _restore_streams(learn, rec, dls=True,
+                     fresh=()): # callbacks that may start afresh (`load_callback_states`)
     "Give `learn`'s callbacks and modules their states and put the random streams (and, with `dls`, the DataLoaders') back as `rec` holds them"
     _make_lazy_state(learn)  # its draws happened before `rec` was saved: they must not shift the restored streams
-    load_callback_states(learn, rec['callbacks'])
+    load_callback_states(learn, rec['callbacks'], fresh)
     ref = _log_ref(rec)
     if ref: adopt_history(ref, lambda names: _log_owner(_logged_histories(learn), names))  # the next saves append to the log it was read from
     load_module_states(learn.model, rec.get('modules', {}))
@@ -404,7 +405,7 @@ class SkipToIter(Callback):
             self.start_epoch,self.start_iter = rp['epoch'],rp['iter']
             for k in rp['hypers'][0]: self.opt.set_hyper(k, [h[k] for h in rp['hypers']])
             for p,g in zip(self.model.parameters(), rp['grads']): _set_grad(p, g)
-            if not self.start_iter: _restore_streams(self.learn, rp)
+            if not self.start_iter: _restore_streams(self.learn, rp, fresh=rp['fresh'])
             else: _restore_dls(self.learn, rp)
         self.learn._start_epoch,self.learn.epoch = self.start_epoch,min(self.start_epoch, self.n_epoch-1)  # resumed at its very end, a run ends as it would have
         if rp is not None: self.learn.pct_train = rp['pct_train']
@@ -428,7 +429,7 @@ class SkipToIter(Callback):
             self.epoch_rng = rp['epoch_rng']
             set_dl_rng_state(self.dls.train, self.epoch_rng['dl'])
             restore_state(self.dls.train, self.epoch_rng.get('dl_state'))
-            _restore_streams(self.learn, rp, dls=False)
+            _restore_streams(self.learn, rp, dls=False, fresh=rp['fresh'])
         self.learn.dl = ff(self.dl, self.start_iter, _epoch_start(self.epoch_rng, rp['rng']) if rp else None)  # `epoch_rng` as the callbacks left it
         self.start_iter = 0
 
@@ -593,6 +594,7 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
          strict_hypers:bool|None=False, # when the next fit was asked for other hyperparameters than the resume point's: refuse (True), warn (False), say nothing (None)
          elastic:bool=False, # continue a resume point written with another number of processes (see `DistributedTrainer`)
          state:dict|None=None, # the checkpoint, already read (sent by another rank); `file` then only names it
+         fresh_callbacks=(), # callbacks added since the resume point was written, which start afresh (by default refused)
          **kwargs # `torch.load`'s `weights_only` and `mmap`, which change nothing: loading is always `weights_only=True`
         ):
     "Load model and optimizer state from `learn.path/learn.model_dir/file`; the next `fit` continues a resume point"
@@ -619,7 +621,7 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
     if not getattr(self, '_fitting', False) or self._event == 'before_fit':
         self.__dict__.pop('_resume', None)
         if with_iter and with_opt and rec is not None and rec.get('epoch') is not None:
-            rp = dict(rec, file=str(file), check=check_setup, strict_hypers=strict_hypers)
+            rp = dict(rec, file=str(file), check=check_setup, strict_hypers=strict_hypers, fresh=list(fresh_callbacks))
             if not _plan_resume(self, rp, elastic): _check_world(rec, file)
             self._resume = rp
         else: _plan_resume(self, None, elastic)
