@@ -222,6 +222,11 @@ def _where(file, state, fname)->list:
     rec = resume_record(state)
     return [1, rec.get('fit_index') or 0, rec.get('train_iter') or 0, rec.get('epoch') is None, _ckpt_num(_name(file), fname)]
 
+def _error(cls, msg:str)->Exception:
+    "The error of class `cls` with message `msg` that another rank met"
+    try: return cls(msg)
+    except Exception: return RuntimeError(msg)
+
 @patch
 def _scan(self:AutoResume):
     "Take the run's lock, then find the newest valid resume point: `(file, record, checkpoint)`; under `torch.distributed`, the newest any node holds"
@@ -230,12 +235,13 @@ def _scan(self:AutoResume):
         try:
             if not rank_distrib() and isinstance(self.store, LocalStore): _lock_run(self.folder, self.fname, self.wait)
             file,state = newest_valid(self.store, self.fname)
-        except RuntimeError as e: err = str(e)
+        except Exception as e: err = e  # every rank learns of it below: a rank that raised alone would leave the others waiting
     self.src = 0
     if group:
-        o = [err]
-        dist.broadcast_object_list(o, src=0, device=_group_device())
-        err = o[0]
+        errs = [None]*dist.get_world_size()
+        dist.all_gather_object(errs, None if err is None else (type(err), str(err)))
+        first = next((r for r,e in enumerate(errs) if e is not None), None)  # every rank stops with the first rank's error
+        if first is not None and first != dist.get_rank(): err = _error(*errs[first])
         if err is None:
             mine = torch.tensor(_where(file, state, self.fname), dtype=torch.int64, device=_group_device())
             wheres = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -244,7 +250,7 @@ def _scan(self:AutoResume):
             self.src = max(range(len(wheres)), key=lambda r: (wheres[r][:4], -r))
             file = self.store.where(f'{self.fname}-{wheres[self.src][4]:04d}.pth') if wheres[self.src][0] else None
             state = None if file is None else share_checkpoint(state if dist.get_rank() == self.src else None, self.src)
-    if err: raise RuntimeError(err)
+    if err is not None: raise err
     self.next_num = max([_ckpt_num(e.name, self.fname) for e in _entries(self.store, self.fname)] + [0]) + 1
     return file, (None if file is None else resume_record(state)), state
 
