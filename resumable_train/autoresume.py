@@ -6,7 +6,7 @@ Docs: https://resumable-train.github.io/resumable_train/autoresume.html.md"""
 
 # %% ../nbs/02_autoresume.ipynb #d52bcc89
 from __future__ import annotations
-import fcntl, io, os, re, signal, struct, sys, threading, time, warnings
+import fcntl, io, itertools, os, re, signal, struct, sys, threading, time, warnings
 from contextlib import redirect_stdout
 from pathlib import Path
 import torch, torch.distributed as dist
@@ -177,10 +177,10 @@ class AutoResume(Callback):
             raise ValueError(f"AutoResume(keep={keep!r}): keep at least 1 resume point; with none, a stopped run could not continue")
         store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,stop_wait,fresh_callbacks')
         self.done,self.fits,self.ends,self.unfinished,self.due = 0,[],[],False,False
-        self.calls,self.cut,self.last_point,self.stopping = [],False,None,False  # see "A cell run again" and "Signals"
+        self.calls,self.caller,self.cut,self.last_point,self.stopping = [],(None, None),False,None,False  # see "A cell run again" and "Signals"
         self.writer,self.host_copy,self.fitting = _Writer(background),None,False
 
-    def __getstate__(self): return dict(self.__dict__, calls=[], cut=False, unfinished=False)  # `learn.export`: this process's fit calls stay here
+    def __getstate__(self): return dict(self.__dict__, calls=[], caller=(None, None), cut=False, unfinished=False)  # `learn.export`: this process's fit calls stay here
 
     @property
     def store(self):
@@ -334,6 +334,14 @@ def _call_site(f=None)->tuple:
         f = f.f_back
     return tuple(out)
 
+def _user_frame(f=None):
+    "The innermost frame of the user's code in the stack: the one that called fastai or this package"
+    f = f or sys._getframe(1)
+    while f is not None and f.f_globals.get('__name__', '').partition('.')[0] in _LIBS: f = f.f_back
+    return f
+
+_runs = itertools.count()  # numbers for the runs of code outside IPython
+
 def _cell_run():
     "The IPython execution (a notebook cell run) running now; `None` outside IPython, where the process is one cell"
     ip = getattr(sys.modules.get('IPython'), 'get_ipython', lambda: None)()
@@ -341,16 +349,20 @@ def _cell_run():
 
 def _site_text(site)->str: return f"{Path(site[-1][0]).name}:{site[-1][2]}" if site else 'nowhere'  # the line of the user's code
 
-def _call_diff(then:dict, now:dict)->list:
-    "What differs between the fit calls `then` and `now` (`AutoResume._identity`), in words"
-    out = [] if then['site'] == now['site'] else [f"called from {_site_text(now['site'])}, then from {_site_text(then['site'])}"]
+def _call_diff(then:dict, now:dict, site:bool=True)->list:
+    "What differs between the fit calls `then` and `now` (`AutoResume._identity`), in words; with `site`, where they are called from too"
+    out = [] if then['site'] == now['site'] or not site else [f"called from {_site_text(now['site'])}, then from {_site_text(then['site'])}"]
     out += setup_diff(then['setup'], now['setup'])
     return out + _plan_changes(then['plan'], now['plan'])
 
 @patch
 def _identity(self:AutoResume, plan:dict)->dict:
-    "What tells this fit call from the others: where it is called from, in which cell run, its setup and plan"
-    return dict(site=_call_site(), cell=_cell_run(), setup=run_setup(self.learn, self.n_epoch), plan=plan)
+    "What tells this fit call from the others: where it is called from, by which run of that code, its setup and plan"
+    frame,(held,run) = _user_frame(),self.caller
+    retry,cell = frame is held,_cell_run()  # the frame of the previous fit call's code, still held: the same run of that code
+    run = ('cell', cell) if cell is not None else run if retry else next(_runs)
+    self.caller = (frame, run)  # held until the next fit call (a frame's `id` may be another's once it ends)
+    return dict(site=_call_site(), run=run, retry=retry, setup=run_setup(self.learn, self.n_epoch), plan=plan)
 
 @patch
 def _which_call(self:AutoResume, me:dict)->int:
@@ -358,8 +370,9 @@ def _which_call(self:AutoResume, me:dict)->int:
     self.again = self.unfinished or self.cut  # a cell run again
     if not self.again: return self.done
     n = self.fit_index  # the interrupted call
+    if me['retry'] and not _call_diff(self.calls[n], me, site=False): return n  # called again by the code that caught the interruption
     first = n
-    while first and self.calls[first-1]['cell'] == self.calls[n]['cell']: first -= 1
+    while first and self.calls[first-1]['run'] == self.calls[n]['run']: first -= 1
     j = next((j for j in range(first, n+1) if not _call_diff(self.calls[j], me)), None)
     if j is not None: return j
     if not self.unfinished: return self.done  # the interrupted cell's calls completed: this is the next call
