@@ -343,7 +343,7 @@ def _user_frame(f=None):
 _runs = itertools.count()  # numbers for the runs of code outside IPython
 
 def _cell_run():
-    "The IPython execution (a notebook cell run) running now; `None` outside IPython, where the process is one cell"
+    "The IPython execution (a notebook cell run) running now; `None` outside IPython, where a run of code is told by its frame"
     ip = getattr(sys.modules.get('IPython'), 'get_ipython', lambda: None)()
     return getattr(ip, 'execution_count', None)
 
@@ -592,7 +592,7 @@ def _stop(self:AutoResume, signum):
     except WriteCancelled: pass
     except Exception as e: warnings.warn(f"AutoResume: {e}")
     finally: self.stopping = False
-    saved = name is not None and self.last_point is not None and _name(self.last_point[0]) == name
+    saved = name is not None and (bool(rank_distrib()) or self.last_point is not None and _name(self.last_point[0]) == name)  # rank 0 writes
     self.stopped,self.signum = True,signum
     self.stop_note = "resume point saved" if saved else f"no resume point was written there: {self._kept()}"
     ep,it = _position(self.learn)
