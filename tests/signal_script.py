@@ -2,7 +2,7 @@
 
 `--during WRITE` sends `--sig` while the chosen resume point is being written (`end0`: the end of fit call 1; `end`: the end of the last
 call; `epoch`: the end of epoch 1; `periodic`: the one after batch 4). `--stop-at N` sends SIGINT after training batch N, as Ctrl-C does;
-`--presses K` then sends K more while that stop's resume point is written. `--busy` holds the first periodic write from batch 4 on until it is
+`--presses K` then sends K more while that stop's resume point is written. `--busy` holds the first write from batch 4 on (a periodic one, deferred while the writer is busy, or an epoch's end) until it is
 abandoned, and sends SIGTERM meanwhile; `--fail-stop` makes the stop's write fail as on a read-only folder. `--catch` catches what ends
 `fit`, then sends itself SIGTERM: with the handlers put back, the process dies of it.
 """
@@ -49,7 +49,7 @@ def write(self, ck, name, start=None):
     "`AutoResume._write`, signalling this process during the chosen write"
     rec = resume_record(ck)
     if a.during and chosen(rec, self): os.kill(os.getpid(), sig); print('SIGNALLED during', name, flush=True)
-    if a.busy and not self.stopping and rec['epoch'] == 0 and rec['iter'] >= 4 and not self.writer.cancel.is_set():
+    if a.busy and not self.stopping and rec['epoch'] is not None and rec['train_iter'] >= 4 and not self.writer.cancel.is_set():
         os.kill(os.getpid(), signal.SIGTERM)
         self.writer.cancel.wait(30)  # held until the stop abandons it
     if self.stopping:

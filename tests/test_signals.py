@@ -15,6 +15,11 @@ PER_FIT = {'one': 12, 'fine_tune': 6}  # batches per fit call: 2 epochs, or 1, o
 
 def text(lines): return ''.join(lines)
 
+def batch_count(pos:str)->int:
+    "The training batches before a position as the messages write it: `epoch 2/2, batch 3/6` or `end of epoch 1/2`"
+    e,b = re.fullmatch(r'epoch (\d)/2, batch (\d)/6', pos).groups() if pos.startswith('epoch') else (int(pos.split()[3][0])+1, 0)
+    return (int(e)-1)*6 + int(b)
+
 @pytest.fixture(scope='module')
 def refs(forker, tmp_path_factory):
     "The uninterrupted runs"
@@ -91,9 +96,9 @@ def test_stop_without_its_resume_point(forker, refs, tmp_path, case):
     rc,lines = run_until(forker, SCRIPT, [out, *args], cwd=tmp_path, timeout=90)
     t = text(lines)
     assert rc == (128 + signal.SIGTERM if case == 'busy' else -signal.SIGINT), f"rc={rc}\n{t[-3000:]}"
-    m = re.search(r'AutoResume: stopped by SIG\w+ at epoch 1/2, batch (\d)/6; no resume point was written there: '
-                  r'a rerun continues from models/autoresume-\d+\.pth \(epoch 1/2, batch (\d)/6\)', t)
+    pos = r'(epoch \d/2, batch \d/6|end of epoch \d/2)'
+    m = re.search(rf'AutoResume: stopped by SIG\w+ at {pos}; no resume point was written there: a rerun continues from models/autoresume-\d+\.pth \({pos}\)', t)
     assert m and 'resume point saved' not in t, t[-3000:]
-    stop,kept = int(m.group(1)),int(m.group(2))
+    stop,kept = batch_count(m.group(1)),batch_count(m.group(2))
     assert kept < stop and (case == 'busy' or kept == 4), (stop, kept)
     rerun_exact(forker, refs, 'one', tmp_path, out, batches(lines)[:kept])
