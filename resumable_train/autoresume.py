@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_autoresume.ipynb #d52bcc89
 from __future__ import annotations
-import fcntl, io, os, re, signal, struct, sys, threading, time, warnings
+import fcntl, io, itertools, os, re, signal, struct, sys, threading, time, warnings
 from contextlib import redirect_stdout
 from pathlib import Path
 import torch, torch.distributed as dist
@@ -56,10 +56,11 @@ def newest_valid(path, fname:str='autoresume'):
 # %% ../nbs/02_autoresume.ipynb #91601401
 class _Writer:
     "Run writes (`save()`, then `then()`) one at a time, in the caller's thread or in a background thread"
-    def __init__(self, background=False): self.background,self.thread,self.error = background,None,None
+    def __init__(self, background=False): self.background,self.thread,self.error,self.cancel = background,None,None,threading.Event()
 
     def __call__(self, save, then=None, background=None): # `background` overrides the writer's own for this write
         self.wait()
+        self.cancel.clear()
         if not (self.background if background is None else background): return self._write(save, then)
         self.thread = threading.Thread(target=self._write, args=(save, then, True), daemon=True)
         self.thread.start()
@@ -71,6 +72,12 @@ class _Writer:
         except BaseException as e:
             if not background: raise
             self.error = e
+
+    def __reduce__(self): return (_Writer, (self.background,))  # `learn.export` pickles the callbacks: a new writer, idle
+
+    def abandon(self):
+        "Stop the write in flight at its next chunk (`WriteCancelled`), removing its temporary file"
+        self.cancel.set()
 
     @property
     def busy(self)->bool: return self.thread is not None and self.thread.is_alive()
@@ -124,12 +131,16 @@ class AutoResume(Callback):
                  elastic:bool=False, # continue a resume point written with another number of processes (see `DDPTrainer`)
                  dir=None, # a folder, an fsspec URL (`s3://bucket/run1`) or a store (`as_store`); `learn.path/learn.model_dir` by default
                  stop_wait:float=30, # seconds a stop by a signal waits for the resume point being written
+                 fresh_callbacks=(), # keys of callbacks added since the resume points were written, which start afresh (by default refused)
                 ):
         if not (isinstance(keep, int) and keep >= 1):
             raise ValueError(f"AutoResume(keep={keep!r}): keep at least 1 resume point; with none, a stopped run could not continue")
-        store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,stop_wait')
+        store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,stop_wait,fresh_callbacks')
         self.done,self.fits,self.ends,self.unfinished,self.due = 0,[],[],False,False
+        self.calls,self.caller,self.cut,self.last_point,self.stopping = [],(None, None),False,None,False  # see "A cell run again" and "Signals"
         self.writer,self.host_copy,self.fitting = _Writer(background),None,False
+
+    def __getstate__(self): return dict(self.__dict__, calls=[], caller=(None, None), cut=False, unfinished=False)  # `learn.export`: this process's fit calls stay here
 
     @property
     def store(self):
@@ -171,6 +182,11 @@ def _where(file, state, fname)->list:
     rec = resume_record(state)
     return [1, rec.get('fit_index') or 0, rec.get('train_iter') or 0, rec.get('epoch') is None, _ckpt_num(_name(file), fname)]
 
+def _error(cls, msg:str)->Exception:
+    "The error of class `cls` with message `msg` that another rank met"
+    try: return cls(msg)
+    except Exception: return RuntimeError(msg)
+
 @patch
 def _scan(self:AutoResume):
     "Take the run's lock, then find the newest valid resume point: `(file, record, checkpoint)`; under `torch.distributed`, the newest any node holds"
@@ -179,12 +195,13 @@ def _scan(self:AutoResume):
         try:
             if not rank_distrib(): self.store.lock(self.fname, self.wait)
             file,state = newest_valid(self.store, self.fname)
-        except RuntimeError as e: err = str(e)
+        except Exception as e: err = e  # every rank learns of it below: a rank that raised alone would leave the others waiting
     self.src = 0
     if group:
-        o = [err]
-        dist.broadcast_object_list(o, src=0, device=_group_device())
-        err = o[0]
+        errs = [None]*dist.get_world_size()
+        dist.all_gather_object(errs, None if err is None else (type(err), str(err)))
+        first = next((r for r,e in enumerate(errs) if e is not None), None)  # every rank stops with the first rank's error
+        if first is not None and first != dist.get_rank(): err = _error(*errs[first])
         if err is None:
             mine = torch.tensor(_where(file, state, self.fname), dtype=torch.int64, device=_group_device())
             wheres = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -193,7 +210,7 @@ def _scan(self:AutoResume):
             self.src = max(range(len(wheres)), key=lambda r: (wheres[r][:4], -r))
             file = self.store.where(f'{self.fname}-{wheres[self.src][4]:04d}.pth') if wheres[self.src][0] else None
             state = None if file is None else share_checkpoint(state if dist.get_rank() == self.src else None, self.src)
-    if err: raise RuntimeError(err)
+    if err is not None: raise err
     self.next_num = max([_ckpt_num(e.name, self.fname) for e in _entries(self.store, self.fname)] + [0]) + 1
     return file, (None if file is None else resume_record(state)), state
 
@@ -216,7 +233,7 @@ def _load_end(self:AutoResume, file, plan, i):
         raise _refusal(self.folder, self.fname, f"AutoResume: {file} is named as the end state of fit call {i+1} but does not hold it")
     self._hypers_changed(rec.get('plan'), plan, file, "its result is used as it is")
     _load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)
-    _restore_streams(self.learn, rec)
+    _restore_streams(self.learn, rec, fresh=self.fresh_callbacks)
     self.learn.train_iter,self.learn.pct_train = rec['train_iter'],rec['pct_train']
     if rec.get('last_epoch') is not None: self.learn.epoch = rec['last_epoch']
     self.ends = list(rec.get('ends', [])[:i]) + [_name(file)]  # records of 0.1.0 have no ledger
@@ -235,24 +252,26 @@ def _decide(self:AutoResume, plan):
         self.ends = self.ends[:i]
         return
     if rec.get('fit_index') is None: raise _different_run(self.folder, self.fname, f"{_name(file)} was not written by AutoResume")
+    self.last_point = (file, _describe(rec))
     f,end,fits,ends = rec['fit_index'],rec['epoch'] is None,rec['fits'],rec.get('ends', [])
-    diff = [] if i >= len(fits) else [k for k,v in now.items() if fits[i].get(k) != v and not (self.elastic and k in _WORLD_KEYS)]
+    diff = [] if i >= len(fits) else setup_diff(fits[i], now, skip=_WORLD_KEYS if self.elastic else ())
     if diff:
-        other = '; it ran on another number of processes: AutoResume(elastic=True) continues it on this one' if 'world_size' in diff else ''
-        raise _different_run(self.folder, self.fname, '; '.join(f"fit call {i+1} {k}: saved {fits[i].get(k)}, now {now[k]}" for k in diff) + other)
+        other = '; it ran on another number of processes: AutoResume(elastic=True) continues it on this one' if any(d.startswith('world_size:') for d in diff) else ''
+        raise _different_run(self.folder, self.fname, '; '.join(f"fit call {i+1} {d}" for d in diff) + other)
     if _finished(rec, i):
         name = _name(file) if f == i else ends[i] if i < len(ends) else None
         if name is None: raise _refusal(self.folder, self.fname, f"AutoResume: fit call {i+1} finished in an earlier run, but {file} does not name the file of its end state")
         end_rec = self._load_end(self.store.where(name), plan, i)
-        if f == i: self._say(f"AutoResume: this run already finished at {file} ({_describe(end_rec)}); nothing to train. "
+        if f == i and not self.again: self._say(f"AutoResume: this run already finished at {file} ({_describe(end_rec)}); nothing to train. "
                              f"Delete {self.folder}/{self.fname}-*.pth to train again.")
-        else: self._say(f"AutoResume: fit call {i+1} finished in an earlier run; its end state is loaded from {self.store.where(name)}")
+        else: self._say(f"AutoResume: fit call {i+1} finished {'before the interruption' if self.again else 'in an earlier run'}; "
+                        f"its end state is loaded from {self.store.where(name)}")
         self.skipped = True
         raise CancelFitException()
     if f == i:
         self._hypers_changed(rec.get('plan'), plan, file, "continuing anyway, so the result matches neither run")
         self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
-        try: _load_through(self.learn, _stem(file), strict_hypers=None, state=state, elastic=self.elastic)
+        try: _load_through(self.learn, _stem(file), strict_hypers=None, state=state, elastic=self.elastic, fresh_callbacks=self.fresh_callbacks)
         except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
         self.ends = list(ends[:i])
         return
@@ -260,6 +279,68 @@ def _decide(self:AutoResume, plan):
         raise _refusal(self.folder, self.fname, f"AutoResume: the newest resume point in {self.folder} is at {_describe(rec)}, but this process "
                        f"has already finished fit call {i}: the files changed while it ran")
     self.ends = list(ends[:i])
+
+# %% ../nbs/02_autoresume.ipynb #a7c3e1d1
+def _cell_file(name:str)->str: return re.sub(r'^<ipython-input-\d+-', '<ipython-input-', name)  # terminal IPython numbers each run of a cell
+
+_LIBS = {'fastai', 'fastcore', 'torch', 'resumable_train'}  # the packages between the user's code and a fit call
+
+def _call_site(f=None)->tuple:
+    "Where the running fit call was called from: each frame's file, function and line, up to the first frame of the user's code"
+    f,out = f or sys._getframe(1),[]
+    while f is not None:
+        out.append((_cell_file(f.f_code.co_filename), f.f_code.co_name, f.f_lineno))
+        if f.f_globals.get('__name__', '').partition('.')[0] not in _LIBS: break
+        f = f.f_back
+    return tuple(out)
+
+def _user_frame(f=None):
+    "The innermost frame of the user's code in the stack: the one that called fastai or this package"
+    f = f or sys._getframe(1)
+    while f is not None and f.f_globals.get('__name__', '').partition('.')[0] in _LIBS: f = f.f_back
+    return f
+
+_runs = itertools.count()  # numbers for the runs of code outside IPython
+
+def _cell_run():
+    "The IPython execution (a notebook cell run) running now; `None` outside IPython, where a run of code is told by its frame"
+    ip = getattr(sys.modules.get('IPython'), 'get_ipython', lambda: None)()
+    return getattr(ip, 'execution_count', None)
+
+def _site_text(site)->str: return f"{Path(site[-1][0]).name}:{site[-1][2]}" if site else 'nowhere'  # the line of the user's code
+
+def _call_diff(then:dict, now:dict, site:bool=True)->list:
+    "What differs between the fit calls `then` and `now` (`AutoResume._identity`), in words; with `site`, where they are called from too"
+    out = [] if then['site'] == now['site'] or not site else [f"called from {_site_text(now['site'])}, then from {_site_text(then['site'])}"]
+    out += setup_diff(then['setup'], now['setup'])
+    return out + _plan_changes(then['plan'], now['plan'])
+
+@patch
+def _identity(self:AutoResume, plan:dict)->dict:
+    "What tells this fit call from the others: where it is called from, by which run of that code, its setup and plan"
+    frame,(held,run) = _user_frame(),self.caller
+    retry,cell = frame is held,_cell_run()  # the frame of the previous fit call's code, still held: the same run of that code
+    run = ('cell', cell) if cell is not None else run if retry else next(_runs)
+    self.caller = (frame, run)  # held until the next fit call (a frame's `id` may be another's once it ends)
+    return dict(site=_call_site(), run=run, retry=retry, setup=run_setup(self.learn, self.n_epoch), plan=plan)
+
+@patch
+def _which_call(self:AutoResume, me:dict)->int:
+    "The number of the fit call `me`: the next one; right after an interruption, the call of the interrupted cell that `me` is (see above)"
+    self.again = self.unfinished or self.cut  # a cell run again
+    if not self.again: return self.done
+    n = self.fit_index  # the interrupted call
+    if me['retry'] and not _call_diff(self.calls[n], me, site=False): return n  # called again by the code that caught the interruption
+    first = n
+    while first and self.calls[first-1]['run'] == self.calls[n]['run']: first -= 1
+    j = next((j for j in range(first, n+1) if not _call_diff(self.calls[j], me)), None)
+    if j is not None: return j
+    if not self.unfinished: return self.done  # the interrupted cell's calls completed: this is the next call
+    first = f"fit calls {first+1} to {n+1}" if first < n else f"fit call {n+1}"
+    raise _refusal(self.folder, self.fname, f"AutoResume: fit call {n+1} was interrupted in this process, and this fit call is none of the calls "
+                   f"that running its cell again makes ({first}): it differs from fit call {n+1} ({'; '.join(_call_diff(self.calls[n], me))}). "
+                   "Run the cell again as it was to continue, or build the Learner again to run the calls from the first (those that "
+                   "completed are loaded, not trained again)")
 
 # %% ../nbs/02_autoresume.ipynb #29f0b071
 _BAR_EVENTS = ('before_fit', 'before_train', 'before_validate')  # the `ProgressCallback` events that start a console bar
@@ -350,7 +431,7 @@ AutoResume.learn = property(lambda self: self.__dict__.get('_learn'), _set_learn
 def _save(self:AutoResume, end:bool=False, # the end of the fit call, which the ledger keeps
           stopping:float|None=None, # when a signal stops the run: the seconds left to wait for the write in flight
           periodic:bool=False): # one of the `every_iter`/`every_secs` resume points, which wait for no write in flight
-    "Write a resume point at this moment of training"
+    "Write a resume point at this moment of training; the name it is written as (`None`: not written)"
     self.due = periodic and self.background and bool(agree(self.writer.busy))
     if self.due: return  # the previous one is still being written: this one is taken at a batch after it
     name = f'{self.fname}-{self.next_num:04d}.pth'
@@ -358,13 +439,14 @@ def _save(self:AutoResume, end:bool=False, # the end of the fit call, which the 
     ends = self.ends[:self.fit_index] + ([name] if end else [])
     extra = dict(fit_index=self.fit_index, fits=self.fits, ends=ends, **({'last_epoch': self.epoch} if end else {}))
     if end: self.ends = ends
-    if rank_distrib(): return self.learn.save(_stem(self.store.where(name)), extra=extra)
+    if rank_distrib(): return self.learn.save(_stem(self.store.where(name)), extra=extra) and name
     if not self.writer.wait(stopping): return  # before copying: one copy of the state at a time
     ck = checkpoint(self.learn, extra=extra)
     start = _log_history(self.learn, ck, self.store, self.log)  # appended here: a few rows
     if self.background: ck = self.host_copy = _into(ck, self.host_copy)
     self.writer(partial(self._write, ck, name, start), then=self._prune, background=self.background or stopping is not None)
     self.last_save = time.monotonic()
+    return name
 
 @patch(as_prop=True)
 def log(self:AutoResume)->str: return f'{self.fname}-fit{self.fit_index+1}.history'  # the per-batch history of the fit call
@@ -372,8 +454,9 @@ def log(self:AutoResume)->str: return f'{self.fname}-fit{self.fit_index+1}.histo
 @patch
 def _write(self:AutoResume, ck, name, start=None):
     "Write the resume point `ck` as `name`, and start the history log it could not append to"
-    self.store.save(ck, name)
+    self.store.save(ck, name, cancel=self.writer.cancel)
     if start: start()
+    self.last_point = (self.store.where(name), _describe(resume_record(ck)))  # written and durable: where a rerun continues
 
 @patch
 def _prune(self:AutoResume):
@@ -387,12 +470,34 @@ def _prune(self:AutoResume):
 # %% ../nbs/02_autoresume.ipynb #4e0a3870
 _ONE_SIGNAL = 0.5  # seconds within which the same signal twice counts once
 
+def _alert(msg:str):
+    "Print `msg` from a signal handler, which may have interrupted a print"
+    if rank_distrib(): return
+    try: print(msg, file=sys.stderr, flush=True)
+    except RuntimeError: os.write(2, (msg+'\n').encode())  # a reentrant call into the stream being written
+
 @patch
 def _on_signal(self:AutoResume, signum, frame):
     now = time.monotonic()
     if signum == self.signum and now - self.signal_time < _ONE_SIGNAL: return
+    if self.stopping: return self._pressed_again(now)
     if self.signum == signal.SIGINT and signum == signal.SIGINT: raise KeyboardInterrupt
     self.signum,self.signal_time = signum,now
+
+@patch
+def _pressed_again(self:AutoResume, now):
+    "A signal while the stop writes its resume point: the first says what is going on, the next abandons the write"
+    self.signal_time,self.presses = now,self.presses+1
+    if self.presses == 1: return _alert("AutoResume: still writing the resume point to stop at; interrupt once more to abandon it "
+                                        f"(its temporary file is removed, and {self._kept()})")
+    self.writer.abandon()
+    _alert("AutoResume: abandoning the resume point being written")
+
+@patch
+def _kept(self:AutoResume)->str:
+    "Where a rerun continues from, in words"
+    if self.last_point is None: return "a rerun starts the run from the beginning: it has no complete resume point"
+    return f"a rerun continues from {self.last_point[0]} ({self.last_point[1]})"
 
 @patch
 def _install_handlers(self:AutoResume):
@@ -447,9 +552,10 @@ def before_fit(self:AutoResume):
     self.fitting = getattr(self.learn, '_fitting', False)
     if not self.fitting: return  # `validate` and `get_preds` send `before_fit` too; a fit that bypasses `Learner.fit` fails in `before_train`
     self._restore_handlers()  # a fit call that an exception ended left them
-    self.fit_index = self.done
-    self.signum,self.signal_time,self.skipped,self.stopped = 0,0.,False,False
     plan = fit_plan(self.learn)  # before a resume point's optimizer state replaces the hyperparameters this call was given
+    self.fit_index = self._which_call(me := self._identity(plan))
+    self.calls,self.cut = self.calls[:self.fit_index] + [me],False
+    self.signum,self.signal_time,self.skipped,self.stopped,self.presses = 0,0.,False,False,0
     self.fits = self.fits[:self.fit_index] + [run_setup(self.learn, self.n_epoch)]
     workers = getattr(getattr(self.dls.train, 'fake_l', self.dls.train), 'num_workers', 0)  # fastai's DataLoader, or PyTorch's
     self.added_seed = bool(workers) and not any(isinstance(cb, SeedBatches) for cb in self.learn.cbs)
@@ -497,21 +603,30 @@ def after_epoch(self:AutoResume):
 
 @patch
 def _stop(self:AutoResume, signum):
-    "Write a resume point, waiting at most `stop_wait` seconds for the writes, and stop"
-    deadline = time.monotonic() + self.stop_wait
+    "Write a resume point, waiting at most `stop_wait` seconds for the writes, and stop, saying where a rerun continues"
+    deadline,name,self.stopping = time.monotonic() + self.stop_wait,None,True
     try:
-        self._save(stopping=self.stop_wait)
-        done = self.writer.wait(max(0., deadline - time.monotonic()))
-    except Exception as e:
-        warnings.warn(f"AutoResume: {e}; stopping without this resume point (the newest complete one stands)")
-        done = True
-    if not done: self._say(f"AutoResume: the resume point being written to {self.store.url} did not finish within {self.stop_wait} s; "
-                           "stopping without it (the newest complete one stands)", own_line=True)
+        name = self._save(stopping=self.stop_wait)
+        if not self.writer.wait(max(0., deadline - time.monotonic())):
+            self._say(f"AutoResume: the resume point being written to {self.store.url} did not finish within {self.stop_wait} s; abandoning it", own_line=True)
+            self._abandon()
+    except WriteCancelled: pass
+    except Exception as e: warnings.warn(f"AutoResume: {e}")
+    finally: self.stopping = False
+    saved = name is not None and (bool(rank_distrib()) or self.last_point is not None and _name(self.last_point[0]) == name)  # rank 0 writes
     self.stopped,self.signum = True,signum
+    self.stop_note = "resume point saved" if saved else f"no resume point was written there: {self._kept()}"
     ep,it = _position(self.learn)
     self._say(f"AutoResume: stopped by {signal.Signals(signum).name} at {position_text(ep, it, self.n_epoch, len(self.dls.train))}; "
-              "resume point saved, run the same command again to continue", own_line=True)
+              f"{self.stop_note}, run the same command again to continue", own_line=True)
     raise CancelFitException()
+
+@patch
+def _abandon(self:AutoResume)->bool:
+    "Abandon the write in flight, removing its temporary file; `False` if it still runs `stop_wait` seconds later (an upload)"
+    self.writer.abandon()
+    try: return self.writer.wait(self.stop_wait)
+    except WriteCancelled: return True
 
 @patch
 def _cleanup(self:AutoResume):
@@ -528,8 +643,14 @@ def _cleanup(self:AutoResume):
 def after_cancel_fit(self:AutoResume):
     "A stop by a signal ends the process here, before other callbacks' `after_fit` (which may fail on a half-trained run)"
     if not (self.fitting and self.stopped): return
+    self.fitting = False
     self._cleanup()
-    if self.signum == signal.SIGINT: raise KeyboardInterrupt("AutoResume: stopped by Ctrl-C; resume point saved")
+    self._exit()
+
+@patch
+def _exit(self:AutoResume):
+    "End the process as the stop by signal `signum` asks: `KeyboardInterrupt` for Ctrl-C, else exit status 128+signal"
+    if self.signum == signal.SIGINT: raise KeyboardInterrupt(f"AutoResume: stopped by Ctrl-C; {self.stop_note}")
     raise SystemExit(128 + self.signum)
 
 @patch
@@ -541,3 +662,18 @@ def after_fit(self:AutoResume):
         self.writer.wait()
         self.done,self.unfinished = self.fit_index+1,False
     finally: self._cleanup()
+    if not (stop := agree(self.signum)): return
+    self.signum,self.cut,self.stop_note = stop,True,"the end state of this fit call is saved"  # a signal during the end's write: the next safe point
+    self._say(f"AutoResume: stopped by {signal.Signals(stop).name} at the end of fit call {self.fit_index+1}; {self.stop_note}, "
+              "run the same command again to continue", own_line=True)
+    self._exit()
+
+@patch
+def left_fit(self:AutoResume):
+    "`Learner.fit` ended, whatever the way: after an exception, or Ctrl-C, put the handlers back and finish the write in flight"
+    if not self.fitting: return
+    self.fitting = False
+    self._cleanup()
+    try: self.writer.wait()
+    except (WriteCancelled, KeyboardInterrupt): self._abandon()  # interrupted while it waits: the write is abandoned
+    except Exception as e: warnings.warn(f"AutoResume: the resume point being written failed ({e}); {self._kept()}")

@@ -10,8 +10,9 @@ import numpy as np, torch
 from fastcore.foundation import L
 
 # %% auto #0
-__all__ = ['FORMAT_VERSION', 'make_checkpoint', 'resume_record', 'write_checkpoint', 'check_record', 'start_history',
-           'append_history', 'adopt_history', 'history_log_info', 'CheckpointError', 'read_checkpoint', 'position_text']
+__all__ = ['FORMAT_VERSION', 'make_checkpoint', 'resume_record', 'WriteCancelled', 'write_checkpoint', 'check_record',
+           'start_history', 'append_history', 'adopt_history', 'history_log_info', 'CheckpointError', 'read_checkpoint',
+           'position_text']
 
 # %% ../nbs/00a_files.ipynb #f023d4f0
 def _unpack(o):
@@ -61,13 +62,30 @@ def _swap_in(tmp:Path, file:Path)->bool:
     except OSError: pass  # a temporary file, which no loader reads, holds the old data
     return True
 
-def _write_atomic(file, write, durable:bool=True):
+class WriteCancelled(Exception):
+    "A write abandoned on request (`cancel` set): its temporary file is removed, the previous file stands"
+
+_CHUNK = 1<<24  # bytes written between two looks at `cancel`
+
+class _Cancellable:
+    "The file `f`, written in chunks; between two chunks, `WriteCancelled` once the event `cancel` is set"
+    def __init__(self, f, cancel): self.f,self.cancel = f,cancel
+    def write(self, b):
+        mv = memoryview(b).cast('B')
+        for i in range(0, max(len(mv), 1), _CHUNK):
+            if self.cancel.is_set(): raise WriteCancelled(f"the write of {self.f.name} was abandoned")
+            self.f.write(mv[i:i+_CHUNK])
+        return len(mv)
+    def __getattr__(self, k): return getattr(self.f, k)
+
+def _write_atomic(file, write, durable:bool=True,
+                  cancel=None): # a `threading.Event`: once it is set, the write stops and removes its temporary file
     "Call `write(f)` on a temporary file next to `file`, then rename it to `file`; with `durable`, fsync the file and the folder"
     file,tmp = Path(file),None
     try:
         tmp,fd = _new_tmp(file)
         with os.fdopen(fd, 'wb') as f:
-            write(f)
+            write(f if cancel is None else _Cancellable(f, cancel))
             f.flush()
             if durable: os.fsync(f.fileno())
         if durable or not _swap_in(tmp, file): os.replace(tmp, file)  # swapped: no flush that ext4 starts when a rename replaces a file
@@ -91,14 +109,16 @@ def _log_ref(rec:dict)->dict|None:
     rs = rec.get('callbacks', {}).get('recorder') if isinstance(rec.get('callbacks'), dict) else None
     return rs.get('history') if isinstance(rs, dict) else None
 
-def write_checkpoint(obj, file, durable:bool=True, pickle_protocol:int=2): # fsync the file and its folder
+def write_checkpoint(obj, file, durable:bool=True, # fsync the file and its folder
+                     pickle_protocol:int=2,
+                     cancel=None): # a `threading.Event` that abandons the write (`WriteCancelled`) once set
     "Write `obj` to `file` atomically, and durably if `durable` (the history log it refers to first)"
     file,rec = Path(file),resume_record(obj) if isinstance(obj, dict) else None
     if isinstance(rec, dict):
         obj = {**obj, 'opt': {**obj['opt'], 'resume': _compact(rec)}}
         log = _log_ref(rec)
         if durable and log is not None: _fsync(file.parent/log['log'])
-    return _write_atomic(file, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol), durable)
+    return _write_atomic(file, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol), durable, cancel)
 
 
 # %% ../nbs/00a_files.ipynb #d50d801d
@@ -155,7 +175,7 @@ def _rng(v, field='rng'):
 
 def _setup(s, field='setup')->dict:
     _of(s, field, dict)
-    _int(s.get('n_epoch'), f'{field}.n_epoch', 1); _int(s.get('n_iter'), f'{field}.n_iter', 0)
+    _int(s.get('n_epoch'), f'{field}.n_epoch', 0); _int(s.get('n_iter'), f'{field}.n_iter', 0)  # `fit(0)` is a fit call too
     _int(s.get('bs'), f'{field}.bs', 0, none_ok=True); _int(s.get('n_items'), f'{field}.n_items', 0, none_ok=True)
     _int(s.get('n_params'), f'{field}.n_params', 0); _int(s.get('world_size'), f'{field}.world_size', 1)
     _of(s.get('schedule'), f'{field}.schedule', str)
@@ -257,7 +277,7 @@ def _fit_ledger(r):
     if len(ends) > i+1: _fail('ends', f"has {len(ends)} fit calls, more than fit_index+1 = {i+1}")
     for j,n in enumerate(ends):
         if n is not None and not (isinstance(n, str) and re.fullmatch(r'[\w.-]+-\d+\.pth', n)): _fail(f'ends[{j}]', f"is {n!r}, not the name of a resume point")
-    _int(r.get('last_epoch'), 'last_epoch', 0, fits[i]['n_epoch'], none_ok=True)
+    _int(r.get('last_epoch'), 'last_epoch', -1, fits[i]['n_epoch'], none_ok=True)  # -1: the end of a `fit(0)`
 
 # %% ../nbs/00a_files.ipynb #f992414d
 _LOG_MAGIC = b'resumable_train history log 1\n'

@@ -262,10 +262,11 @@ def _make_lazy_state(learn):
     "Make now what fastai makes at the first batch of a process and which draws random numbers: `dls.n_inp` loads an item when the dataset does not say"
     getattr(learn.dls, 'n_inp', None)
 
-def _restore_streams(learn, rec, dls=True):
+def _restore_streams(learn, rec, dls=True,
+                     fresh=()): # callbacks that may start afresh (`load_callback_states`)
     "Give `learn`'s callbacks and modules their states and put the random streams (and, with `dls`, the DataLoaders') back as `rec` holds them"
     _make_lazy_state(learn)  # its draws happened before `rec` was saved: they must not shift the restored streams
-    load_callback_states(learn, rec['callbacks'])
+    load_callback_states(learn, rec['callbacks'], fresh)
     ref = _log_ref(rec)
     if ref: adopt_history(ref, lambda names: _log_owner(_logged_histories(learn), names))  # the next saves append to the log it was read from
     load_module_states(learn.model, rec.get('modules', {}))
@@ -402,7 +403,7 @@ class SkipToIter(Callback):
             self.start_epoch,self.start_iter = rp['epoch'],rp['iter']
             for k in rp['hypers'][0]: self.opt.set_hyper(k, [h[k] for h in rp['hypers']])
             for p,g in zip(self.model.parameters(), rp['grads']): _set_grad(p, g)
-            if not self.start_iter: _restore_streams(self.learn, rp)
+            if not self.start_iter: _restore_streams(self.learn, rp, fresh=rp['fresh'])
             else: _restore_dls(self.learn, rp)
         self.learn._start_epoch,self.learn.epoch = self.start_epoch,min(self.start_epoch, self.n_epoch-1)  # resumed at its very end, a run ends as it would have
         if rp is not None: self.learn.pct_train = rp['pct_train']
@@ -426,7 +427,7 @@ class SkipToIter(Callback):
             self.epoch_rng = rp['epoch_rng']
             set_dl_rng_state(self.dls.train, self.epoch_rng['dl'])
             restore_state(self.dls.train, self.epoch_rng.get('dl_state'))
-            _restore_streams(self.learn, rp, dls=False)
+            _restore_streams(self.learn, rp, dls=False, fresh=rp['fresh'])
         self.learn.dl = ff(self.dl, self.start_iter, _epoch_start(self.epoch_rng, rp['rng']) if rp else None)  # `epoch_rng` as the callbacks left it
         self.start_iter = 0
 
@@ -576,6 +577,11 @@ def _plan_resume(learn, rp, elastic)->bool:
 
 _loads = 0  # calls of the package's `Learner.load`: `_load_through` checks that a subclass's `load` reaches it
 
+def _check_load_kwargs(kwargs:dict):
+    "Refuse, as fastai's `load` (through `torch.load`) does, a keyword argument `load` does not know: a misspelling must not pass unnoticed"
+    bad = [k for k in kwargs if k not in ('weights_only', 'mmap')]
+    if bad: raise TypeError(f"Learner.load() got an unexpected keyword argument {bad[0]!r}")
+
 @patch
 def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or an fsspec URL
          device=None, # where to put the tensors; the DataLoaders' device by default
@@ -586,10 +592,12 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
          strict_hypers:bool|None=False, # when the next fit was asked for other hyperparameters than the resume point's: refuse (True), warn (False), say nothing (None)
          elastic:bool=False, # continue a resume point written with another number of processes (see `DDPTrainer`)
          state:dict|None=None, # the checkpoint, already read (sent by another rank); `file` then only names it
-         **kwargs # ignored: loading is always `weights_only=True`
+         fresh_callbacks=(), # callbacks added since the resume point was written, which start afresh (by default refused)
+         **kwargs # `torch.load`'s `weights_only` and `mmap`, which change nothing: loading is always `weights_only=True`
         ):
     "Load model and optimizer state from `learn.path/learn.model_dir/file`; the next `fit` continues a resume point"
     global _loads
+    _check_load_kwargs(kwargs)
     _loads += 1
     if device is None and hasattr(self.dls, 'device'): device = self.dls.device
     if isinstance(device, int): device = torch.device('cuda', device)
@@ -611,7 +619,7 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
     if not getattr(self, '_fitting', False) or self._event == 'before_fit':
         self.__dict__.pop('_resume', None)
         if with_iter and with_opt and rec is not None and rec.get('epoch') is not None:
-            rp = dict(rec, file=str(file), check=check_setup, strict_hypers=strict_hypers)
+            rp = dict(rec, file=str(file), check=check_setup, strict_hypers=strict_hypers, fresh=list(fresh_callbacks))
             if not _plan_resume(self, rp, elastic): _check_world(rec, file)
             self._resume = rp
         else: _plan_resume(self, None, elastic)
@@ -652,9 +660,12 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
     cbs = L(cbs)
     if not any(isinstance(cb, SkipToIter) for cb in cbs+self.cbs): cbs += SkipToIter(start_epoch, start_iter)
     if not any(isinstance(cb, _Events) for cb in cbs+self.cbs): cbs += _Events()
-    self._fitting = True
+    self._fitting,left = True,{id(cb): cb for cb in L(self.cbs)+cbs}  # `cbs` are gone from `self.cbs` when `fit` ends
     try: _fastai['fit'](self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt)
-    finally: self._fitting = False
+    finally:
+        self._fitting = False
+        for cb in left.values():
+            if hasattr(type(cb), 'left_fit'): cb.left_fit()  # whatever way `fit` ends: fastai sends no `after_fit` after an exception
 Learner.fit._fastai = _fastai['fit']
 
 def _start_through(f):

@@ -14,7 +14,7 @@ from .files import _unpack
 
 # %% auto #0
 __all__ = ['to_plain', 'rng_state', 'set_rng_state', 'dl_rng_state', 'set_dl_rng_state', 'register_state', 'has_state',
-           'state_of', 'restore_state', 'History', 'callback_states', 'load_callback_states', 'run_setup',
+           'state_of', 'restore_state', 'History', 'callback_states', 'load_callback_states', 'run_setup', 'setup_diff',
            'check_setup', 'dl_states', 'load_dl_states', 'module_states', 'load_module_states']
 
 # %% ../nbs/00_state.ipynb #45ebe4e0
@@ -261,26 +261,47 @@ def callback_states(learn)->dict:
     "The state of each callback of `learn` that keeps one, by a stable key"
     return {k: state_of(cb) for k,cb in _keyed_callbacks(learn).items()}
 
-def load_callback_states(learn, sds:dict):
+def load_callback_states(learn, sds:dict,
+                         fresh=()): # keys of callbacks that may start afresh though the resume point holds no state of theirs
     "Give each callback of `learn` its state from `callback_states`"
     cbs = _keyed_callbacks(learn)
     if set(sds) - set(cbs):
         raise ValueError(f"The resume point holds the state of callbacks this Learner does not have: {sorted(set(sds)-set(cbs))} (it has "
                          f"{sorted(cbs)}; several callbacks of one class are told apart by their order); add them, as in the run that saved "
                          "it, or load the file with `with_iter=False` to start a fresh fit")
+    if new := sorted(set(cbs) - set(sds) - set(fresh)):
+        raise ValueError(f"This Learner has callbacks with a state that the resume point does not hold: {new} (added since it was written: "
+                         "they would start afresh in the middle of the run, which would then differ from an uninterrupted one); remove them, "
+                         f"or accept them with fresh_callbacks={new!r} (`AutoResume(fresh_callbacks=...)` or `learn.load(..., fresh_callbacks=...)`)")
     for k,sd in sds.items(): restore_state(cbs[k], sd)
 
 # %% ../nbs/00_state.ipynb #13b37f49
+def _arch(model)->list:
+    "The architecture of `model`: each module's name, class and settings (`extra_repr`: sizes, a dropout's `p`, an activation's options)"
+    return [f"{n or 'model'}: {type(m).__name__}({m.extra_repr()})" for n,m in get_model(model).named_modules()]
+
 def run_setup(learn, n_epoch:int)->dict:
     "What a resume point must agree on with the run that continues it"
     dl = learn.dls.train
     return dict(n_epoch=n_epoch, n_iter=len(dl), bs=getattr(dl, 'bs', getattr(dl, 'batch_size', None)),
                 n_items=getattr(dl, 'n', None) or len(dl.dataset), n_params=sum(p.numel() for p in learn.model.parameters()),
-                schedule=getattr(learn, '_schedule', 'fit'), world_size=num_distrib() or 1)
+                schedule=getattr(learn, '_schedule', 'fit'), world_size=num_distrib() or 1, model=_arch(learn.model))
+
+def _arch_diff(saved:list, now:list)->str:
+    "Where two architectures differ, in words: the first modules that differ"
+    pairs = [(a, b) for a,b in zip(saved, now) if a != b][:3]
+    out = [f"{b.split(': ')[0]}: saved {a.partition(': ')[2]}, now {b.partition(': ')[2]}" for a,b in pairs]
+    if len(saved) != len(now): out.append(f"{len(saved)} modules saved, {len(now)} now")
+    return f"model {'; '.join(out)}"
+
+def setup_diff(saved:dict, now:dict, skip=())->list:
+    "What differs between two `run_setup`s, in words (keys in `skip`, or absent from `saved`, which an older version wrote, are not compared)"
+    return [_arch_diff(saved[k], v) if k == 'model' else f"{k}: saved {saved[k]}, now {v}"
+            for k,v in now.items() if k not in skip and k in saved and saved[k] != v]
 
 def check_setup(saved:dict, now:dict, file=''):
     "Raise if the run that saved a resume point differs from this one"
-    diff = [f"{k}: saved {saved.get(k)}, now {v}" for k,v in now.items() if saved.get(k) != v]
+    diff = setup_diff(saved, now)
     if diff: raise CheckpointError(f"{file} holds a resume point of a different run ({'; '.join(diff)}). "
                                    "Pass check_setup=False to resume anyway, or remove the file (or load it with with_iter=False) to start fresh")
 

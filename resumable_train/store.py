@@ -11,7 +11,7 @@ from pathlib import Path, PurePosixPath
 import fsspec, torch
 from fastcore.basics import patch
 from fastcore.foundation import L
-from .files import write_checkpoint, read_checkpoint, CheckpointError
+from .files import write_checkpoint, read_checkpoint, CheckpointError, WriteCancelled
 
 # %% auto #0
 __all__ = ['Entry', 'MANIFEST', 'LocalStore', 'StoreError', 'FsspecStore', 'is_url', 'as_store', 'locate']
@@ -37,10 +37,11 @@ class LocalStore:
         st = self.where(name).stat()
         return Entry(name, st.st_size, st.st_mtime, True)
 
-    def save(self, obj, name:str, durable:bool=True, pickle_protocol:int=2)->Path:
+    def save(self, obj, name:str, durable:bool=True, pickle_protocol:int=2,
+             cancel=None)->Path: # a `threading.Event` that abandons the write once set
         "Write `obj` as `name`, atomically, and durably if `durable`"
         self.folder.mkdir(parents=True, exist_ok=True)
-        return write_checkpoint(obj, self.where(name), durable=durable, pickle_protocol=pickle_protocol)
+        return write_checkpoint(obj, self.where(name), durable=durable, pickle_protocol=pickle_protocol, cancel=cancel)
 
     def load(self, name:str, map_location='cpu', **kwargs)->dict: # `kwargs` for `read_checkpoint` (`mmap`)
         "The checkpoint `name`; `CheckpointError` saying what is wrong with it"
@@ -140,14 +141,16 @@ def entry(self:FsspecStore, name:str)->Entry:
 
 @patch
 def save(self:FsspecStore, obj, name:str, durable:bool=True, # ignored: an object is durable once the store has accepted it
-         pickle_protocol:int=2)->str:
+         pickle_protocol:int=2,
+         cancel=None)->str: # a `threading.Event` that abandons the upload once set (before the manifest: an incomplete object)
     "Upload `obj` as `name`, then its manifest: complete only once both are there"
     url,key = self.where(name),self._key(name)
     with tempfile.TemporaryDirectory(prefix='resumable_train-') as d:
         tmp = Path(d)/name
-        torch.save(obj, tmp, pickle_protocol=pickle_protocol)
+        write_checkpoint(obj, tmp, durable=False, pickle_protocol=pickle_protocol, cancel=cancel)  # as a local file: only the data it owns
         man = _manifest(tmp)
         self._try('write', url, self.fs.put_file, str(tmp), key)
+        if cancel is not None and cancel.is_set(): raise WriteCancelled(f"the upload of {url} was abandoned before its manifest")
         self._try('write', url+MANIFEST, self.fs.pipe_file, key+MANIFEST, man)
     return url
 

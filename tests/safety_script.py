@@ -30,6 +30,10 @@ p.add_argument('--sigint-at', type=int, default=None, help='send this process SI
 p.add_argument('--export', default=None, help='learn.export to this file at the end')
 p.add_argument('--bar', action='store_true', help='show the progress bar as on a terminal')
 p.add_argument('--umask', default=None)
+p.add_argument('--add-cb', default=None, choices=['early', 'csv'], help='add a callback with state (EarlyStoppingCallback, CSVLogger)')
+p.add_argument('--fresh', default=None, help='AutoResume(fresh_callbacks=[this key])')
+p.add_argument('--act', default='relu', choices=['relu', 'gelu'], help="the model's activation")
+p.add_argument('--p', type=float, default=0.2, help="the model's dropout")
 a = p.parse_args()
 if a.umask: os.umask(int(a.umask, 8))
 if a.bar:
@@ -47,8 +51,10 @@ class SigintAt(Callback):
 
 set_seed(11, reproducible=True)
 dls = synth_dbunch(bs=8, n_train=6, n_valid=2)
-model = nn.Sequential(nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Dropout(0.2)), nn.Linear(16, 1))
-cbs = [Report()] + ([] if a.no_resume else [AutoResume(fname=a.fname, every_iter=a.every, keep=a.keep, strict_hypers=a.strict, wait=a.wait)])
+model = nn.Sequential(nn.Sequential(nn.Linear(1, 16), nn.GELU() if a.act == 'gelu' else nn.ReLU(), nn.Dropout(a.p)), nn.Linear(16, 1))
+cbs = [Report()] + ([] if a.no_resume else [AutoResume(fname=a.fname, every_iter=a.every, keep=a.keep, strict_hypers=a.strict, wait=a.wait,
+                                                       fresh_callbacks=[a.fresh] if a.fresh else [])])
+if a.add_cb: cbs.append(EarlyStoppingCallback(patience=50) if a.add_cb == 'early' else CSVLogger())
 if a.sigint_at: cbs.append(SigintAt(a.sigint_at))
 learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=mae, cbs=cbs, path='.', lr=1e-2,
                 splitter=lambda m: [list(m[0].parameters()), list(m[1].parameters())])

@@ -1,5 +1,6 @@
-"""No silent wrong result (issue 14): fit-call identity and its ledger, checked records, changed hyperparameters, one process per run,
-bounded reads, file modes, export size, one Ctrl-C counted once, and the messages a user reads.
+"""No silent wrong result (issues 14 and 20): fit-call identity and its ledger, checked records, changed hyperparameters, a callback added
+or a model changed in the rerun, one process per run, bounded reads, file modes, export size, one Ctrl-C counted once, and the messages a
+user reads.
 
 Every run is a child forked by `forked.Forker` from this process (fastai imported once); `safety_script.py` makes two fit calls and
 saves what the code between them sees.
@@ -263,3 +264,31 @@ def test_missing_ledger_end_refused(forker, tmp_path):
     assert rc != 0 and batches(lines) == [], t[-2000:]
     assert f'fit call 1 finished in an earlier run, but its end state cannot be loaded: models/{end0.name} does not exist' in t, t[-2000:]
     assert 'To start fresh, delete models/autoresume-*.pth' in t
+
+@pytest.mark.parametrize('cb,key', [('early', 'early_stopping'), ('csv', 'csv_logger')])
+def test_callback_added_in_rerun(forker, refs, tmp_path, cb, key):
+    "A callback with state added only in the rerun is refused before any batch, naming it and how to accept it; accepted, the run goes on"
+    run,out = tmp_path/'run',tmp_path/'out.pth'
+    run.mkdir()
+    rc,_ = run_until(forker, SCRIPT, [out], stop_after=5, cwd=run)
+    assert rc == -signal.SIGKILL
+    rc,lines = run_until(forker, SCRIPT, [out, '--add-cb', cb], cwd=run)
+    t = text(lines)
+    assert rc != 0 and batches(lines) == [], t[-2000:]
+    assert f"This Learner has callbacks with a state that the resume point does not hold: ['{key}']" in t, t[-2000:]
+    assert f"accept them with fresh_callbacks=['{key}']" in t, t[-2000:]
+    lines = run_to_end(forker, SCRIPT, [out, '--add-cb', cb, '--fresh', key], cwd=run)
+    assert batches(lines)[0] == (0, 0, 4), "accepted, the run continues from its resume point"
+
+@pytest.mark.parametrize('args,diff', [(['--act', 'gelu'], "model 0.1: saved ReLU(), now GELU(approximate='none')"),
+                                       (['--p', '0.5'], 'model 0.2: saved Dropout(p=0.2, inplace=False), now Dropout(p=0.5, inplace=False)')])
+def test_model_changed_in_rerun(forker, refs, tmp_path, args, diff):
+    "A model with the same parameter shapes but another activation or dropout is another run: refused, naming the module that differs"
+    run,out = tmp_path/'run',tmp_path/'out.pth'
+    run.mkdir()
+    rc,_ = run_until(forker, SCRIPT, [out], stop_after=5, cwd=run)
+    assert rc == -signal.SIGKILL
+    rc,lines = run_until(forker, SCRIPT, [out, *args], cwd=run)
+    t = text(lines)
+    assert rc != 0 and batches(lines) == [], t[-2000:]
+    assert f'holds resume points of a different run (fit call 1 {diff})' in t and 'To start fresh, delete models/autoresume-*.pth' in t, t[-2000:]
