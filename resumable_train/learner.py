@@ -20,6 +20,7 @@ from fastai.learner import Learner, save_model
 from fastcore.xtras import join_path_file
 from .files import *
 from .state import *
+from .loaders import *
 from .files import _stock_safe, _log_ref
 from .store import LocalStore, is_url, locate
 from .state import _qualname, _logged_histories
@@ -161,17 +162,14 @@ class _TorchFastForward(_FastForward):
         try: yield from dl
         finally: _unpatch_attrs(dl, old)
 
-def _fast_forwarder(dl):
-    "The class that fast-forwards `dl`, or a `TypeError` saying why `dl` cannot resume inside an epoch"
-    if isinstance(dl, DataLoader): return _FastForward
-    what = f"a {type(dl).__name__}"
-    if isinstance(dl, torch.utils.data.DataLoader):
-        if not isinstance(dl.dataset, torch.utils.data.IterableDataset) and not dl.persistent_workers: return _TorchFastForward
-        what = ("a PyTorch DataLoader over an IterableDataset, whose position is inside the dataset's own iterator and cannot be "
-                "reached without reading the skipped items" if dl.persistent_workers is False else
-                "a PyTorch DataLoader with persistent_workers, whose workers keep random streams and an iterator that a new process cannot rebuild")
-    raise TypeError(f"Cannot resume inside an epoch of {what}; save resume points only at epoch ends (`AutoResume(every_iter=None)` "
-                    "saves after each epoch), or use a fastai DataLoader or a PyTorch DataLoader over a map-style Dataset")
+def _fast_forward(dl, first_iter:int, kind:str, # `loader_kind(dl)`
+                  start=None, # the random streams at the epoch's start
+                  position=None, # `loader_position` at the resume point
+                 ):
+    "`dl` from batch `first_iter` on, resumed as loaders of its kind resume"
+    if kind == 'fastai': return _FastForward(dl, first_iter, start)
+    if kind == 'torch': return _TorchFastForward(dl, first_iter, start)
+    return Resumed(dl, first_iter, kind, position, start)
 
 # %% ../nbs/01_learner.ipynb #a8fc35ef
 def _seeded_idxs(dl, get_idxs, rng_dl):
@@ -227,7 +225,7 @@ class _SeededItems(GetAttr):
 def _seed_patches(dl, rng_dl)->dict:
     "The attributes `SeedBatches` gives a fastai DataLoader (whose epoch seed comes from `rng_dl.rng`), or a PyTorch DataLoader that batches a map-style dataset"
     if isinstance(dl, DataLoader): return dict(get_idxs=partial(_seeded_idxs, dl, dl.get_idxs, rng_dl), create_batches=partial(_seeded_batches, dl))
-    if not isinstance(dl, torch.utils.data.DataLoader) or dl.batch_sampler is None or isinstance(dl.dataset, torch.utils.data.IterableDataset): return {}
+    if type(dl) is not torch.utils.data.DataLoader or dl.batch_sampler is None or isinstance(dl.dataset, torch.utils.data.IterableDataset): return {}
     if dl.persistent_workers: return {}  # their base seed is drawn once: every epoch would repeat the same draws
     return dict(dataset=_SeededItems(dl.dataset), batch_sampler=_NumberedBatches(dl.batch_sampler))
 
@@ -276,7 +274,12 @@ def _restore_streams(learn, rec, dls=True):
 
 def _epoch_streams(learn)->dict:
     "What decides an epoch's order: the random streams at its start, and the training DataLoader's `rng` and state"
-    return dict(torch=torch.get_rng_state(), dl=dl_rng_state(learn.dls.train), rng=rng_state(), dl_state=state_of(learn.dls.train))
+    return dict(torch=torch.get_rng_state(), dl=dl_rng_state(learn.dls.train), rng=rng_state(), dl_state=state_of(learn.dls.train, own=False))
+
+def _loader_record(dl)->dict:
+    "How the training DataLoader `dl` resumes inside the epoch (`loader_kind`), and its position there"
+    kind = loader_kind(dl)
+    return dict(kind=kind, position=loader_position(dl, kind))
 
 def _position(learn):
     ev = getattr(learn, '_event', None)
@@ -299,13 +302,13 @@ def resume_point(learn)->dict|None:
     pos = _position(learn)
     if pos is None and learn._event not in ('after_fit','after_cancel_fit'): return None
     epoch,it = pos or (None,0)
-    if it: _fast_forwarder(learn.dls.train)  # refuse a resume point that no run could continue
+    loader = _loader_record(learn.dls.train) if it else None  # refuses a resume point that no run could continue
     skip = next(cb for cb in learn.cbs if isinstance(cb, SkipToIter))
     return dict(to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train, hypers=learn.opt.hypers,
                               setup=run_setup(learn, learn.n_epoch), meta=_meta())),
         rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders],  # plain already:
         dl_states=dl_states(learn), modules=module_states(learn.model),
-        epoch_rng=skip.epoch_rng if it else None, callbacks=callback_states(learn),
+        epoch_rng=skip.epoch_rng if it else None, loader=loader, callbacks=callback_states(learn),
         metric_names=_value_names(learn), plan=_fit_plan_once(learn),
         grads=_grad_states(learn))  # walked once more, these would cost more than the rest of the snapshot
 
@@ -397,6 +400,7 @@ class SkipToIter(Callback):
                 ): self.start_epoch,self.start_iter,self.rp,self.epoch_rng = epoch,iter,None,None
 
     def before_fit(self):
+        check_len(self.dls.train)
         self.rp = rp = self.learn.__dict__.pop('_resume', None)
         if rp is not None:
             if rp['check']: check_setup(rp['setup'], run_setup(self.learn, self.n_epoch), rp['file'])
@@ -421,7 +425,11 @@ class SkipToIter(Callback):
 
     def before_train(self):
         if self.epoch != self.start_epoch or not self.start_iter: return self._keep_epoch_rng()
-        ff,rp,self.n_iter_train = _fast_forwarder(self.dl),self.rp,len(self.dl)
+        kind,rp,self.n_iter_train = loader_kind(self.dl),self.rp,len(self.dl)
+        saved = (rp or {}).get('loader') or {}
+        if rp is not None and saved.get('kind', kind) != kind:
+            raise CheckpointError(f"{rp['file']} was written with a training DataLoader that resumes inside an epoch by {saved['kind']!r}; "
+                                  f"this one ({type(self.dl).__name__}) resumes by {kind!r}: use the same kind of DataLoader, or resume from an epoch's end")
         self.learn.pct_train = rp['pct_train'] if rp else self._replayed_pct()
         if rp is None: self._keep_epoch_rng()
         else:
@@ -429,7 +437,8 @@ class SkipToIter(Callback):
             set_dl_rng_state(self.dls.train, self.epoch_rng['dl'])
             restore_state(self.dls.train, self.epoch_rng.get('dl_state'))
             _restore_streams(self.learn, rp, dls=False)
-        self.learn.dl = ff(self.dl, self.start_iter, _epoch_start(self.epoch_rng, rp['rng']) if rp else None)  # `epoch_rng` as the callbacks left it
+        start = _epoch_start(self.epoch_rng, rp['rng']) if rp else None  # `epoch_rng` as the callbacks left it
+        self.learn.dl = _fast_forward(self.dl, self.start_iter, kind, start, saved.get('position'))
         self.start_iter = 0
 
     def after_fit(self): self.learn.__dict__.pop('_start_epoch', None)
