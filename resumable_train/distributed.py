@@ -56,6 +56,10 @@ class _ShardDL(DataLoader):
                  offset:int=0, # samples of the epoch's order already trained (by a run on another number of processes)
                  first:int=0, # the batch number the first batch of the share gets (`SkipToIter` starts there)
                 ):
+        if not isinstance(dl, DataLoader):
+            raise TypeError(f"DistributedTrainer shards fastai DataLoaders; the training DataLoader is a {type(dl).__name__}, whose batches it "
+                            "can neither share among the ranks nor resume rank by rank (streams and stateful loaders under DistributedTrainer are "
+                            "not supported yet): build the training DataLoader with fastai (`DataLoaders.from_dsets`), or train in one process")
         if dl.n is None: raise ValueError("DistributedTrainer can only shard DataLoaders of known length")
         self.dl,self.rank,self.world_size,self.offset,self.first = dl,rank,world_size,offset,first
         self.bs,self.drop_last,self.shuffle,self.indexed = dl.bs,dl.drop_last,dl.shuffle,dl.indexed

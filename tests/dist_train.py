@@ -19,6 +19,7 @@ p.add_argument('--stop-rank0-at', type=int, default=-1)  # rank 0 alone raises C
 p.add_argument('--sleep', type=float, default=0.)      # seconds per training batch
 p.add_argument('--mark-at', type=int, default=-1)      # rank 0 writes OUT/marker after this training batch
 p.add_argument('--timeout', type=float, default=20)
+p.add_argument('--torch-dl', action='store_true')     # the training data in a PyTorch DataLoader, which DistributedTrainer refuses
 p.add_argument('--no-gate', action='store_true')      # for timing only: skip the stop all-reduce (stops then are not coordinated)
 args = p.parse_args()
 out = Path(args.out); (out/'run').mkdir(parents=True, exist_ok=True)
@@ -60,6 +61,7 @@ trainer = DistributedTrainer(timeout=args.timeout)
 if args.no_gate: trainer._agree = lambda stop: stop
 set_seed(0)
 dls = synth_dbunch(bs=15, n_train=args.n_train, n_valid=3)
+if args.torch_dl: dls = DataLoaders(torch.utils.data.DataLoader(dls.train.dataset, batch_size=15), dls.valid)
 model = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
 torch.manual_seed(1000 + rank)   # each rank its own random streams (dropout), which a resume must give back to each
 cbs = [trainer, Test(), CSVLogger(), SaveModelCallback(every_epoch=True)] + ([AutoResume(every_iter=args.every)] if args.every else [])

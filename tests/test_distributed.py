@@ -122,3 +122,10 @@ def test_hung_rank(forker, tmp_path):
         assert time.monotonic() - t < secs + 10
     finally:
         for q in ps: q.kill_group()
+
+def test_torch_dataloader_refused(forker, tmp_path):
+    "A training DataLoader that is not fastai's (a stream, a stateful loader) is refused on every rank before the first batch, with what to do"
+    res = ranks(forker, tmp_path, '--torch-dl', '--every', '3', ok=False)
+    for rc,o in res:
+        assert rc != 0 and 'DistributedTrainer shards fastai DataLoaders' in o and 'DataLoader' in o, why(res)
+    assert not list((tmp_path/'run').rglob('*.pth')), 'a resume point was written'
