@@ -16,6 +16,7 @@ from fastai.callback.core import Callback, CancelFitException
 from .files import *
 from .state import *
 from .state import _metric_state, _set_metric_state, _qualname
+from .loaders import *
 from .learner import *
 from .learner import _world_error, _world_size, _position, _seeded, _group_device
 from .autoresume import agree
@@ -49,6 +50,7 @@ def _leave_group():
     if _group(): dist.destroy_process_group()  # left to the interpreter's exit, gloo's threads can abort the process after a finished run
 
 # %% ../nbs/03_distributed.ipynb #ecc87386
+@fastai_like
 class _ShardDL(DataLoader):
     "This rank's share of `dl`: every `world_size`-th index of `dl`'s order from position `offset` on, padded so that every rank gets as many"
     _default = 'dl'

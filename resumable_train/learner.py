@@ -185,7 +185,7 @@ def _seeded(s):
     try: yield
     finally: random.setstate(st[0]); np.random.set_state(st[1]); torch.set_rng_state(st[2])
 
-def _batch_seed(epoch_seed, i): return int(np.random.SeedSequence([epoch_seed, i]).generate_state(1)[0])
+def _batch_seed(epoch_seed, i:int|list): return int(np.random.SeedSequence([epoch_seed, *(i if isinstance(i, list) else [i])]).generate_state(1)[0])
 
 def _seeded_batches(dl, samps):
     "Like `DataLoader.create_batches`, with each batch's items made under a seed of (epoch order, batch index)"
@@ -209,9 +209,9 @@ class _NumberedBatches:
     def __iter__(self): return (_Batch(b, i) for i,b in enumerate(self.sampler))
 
 class _SeededItems(GetAttr):
-    "The map-style dataset `ds`, whose batches are made, in a PyTorch DataLoader's workers, under a seed of (workers' base seed, batch index)"
+    "The map-style dataset `ds`, whose batches are made, in a PyTorch DataLoader's workers, under a seed of (workers' base seed, batch index or, `by_indices`, the batch's indices)"
     _default = 'ds'
-    def __init__(self, ds): self.ds = ds
+    def __init__(self, ds, by_indices:bool=False): self.ds,self.by_indices = ds,by_indices
     def __len__(self): return len(self.ds)
     def __getitem__(self, i): return self.ds[i]
     def _items(self, b):
@@ -219,15 +219,18 @@ class _SeededItems(GetAttr):
         return getitems(list(b)) if getitems else [self.ds[i] for i in b]
     def __getitems__(self, b):
         info = torch.utils.data.get_worker_info()
-        if info is None or not isinstance(b, _Batch): return self._items(b)
-        with _seeded(_batch_seed(info.seed - info.id, b.i)): return self._items(b)
+        key = b.i if isinstance(b, _Batch) else list(map(int, b)) if self.by_indices else None
+        if info is None or key is None: return self._items(b)
+        with _seeded(_batch_seed(info.seed - info.id, key)): return self._items(b)
 
 def _seed_patches(dl, rng_dl)->dict:
     "The attributes `SeedBatches` gives a fastai DataLoader (whose epoch seed comes from `rng_dl.rng`), or a PyTorch DataLoader that batches a map-style dataset"
     if isinstance(dl, DataLoader): return dict(get_idxs=partial(_seeded_idxs, dl, dl.get_idxs, rng_dl), create_batches=partial(_seeded_batches, dl))
-    if type(dl) is not torch.utils.data.DataLoader or dl.batch_sampler is None or isinstance(dl.dataset, torch.utils.data.IterableDataset): return {}
+    if not isinstance(dl, torch.utils.data.DataLoader) or dl.batch_sampler is None or isinstance(dl.dataset, torch.utils.data.IterableDataset): return {}
     if dl.persistent_workers: return {}  # their base seed is drawn once: every epoch would repeat the same draws
-    return dict(dataset=_SeededItems(dl.dataset), batch_sampler=_NumberedBatches(dl.batch_sampler))
+    if type(dl) is torch.utils.data.DataLoader: return dict(dataset=_SeededItems(dl.dataset), batch_sampler=_NumberedBatches(dl.batch_sampler))
+    if has_state(dl): return dict(dataset=_SeededItems(dl.dataset, by_indices=True))  # a loader with its own position (torchdata's) keeps its batch sampler, whose state it saves
+    return {}
 
 class SeedBatches(Callback):
     "Make the item randomness of each training batch depend only on the epoch's order (or workers' base seed) and the batch index"

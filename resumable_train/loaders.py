@@ -13,7 +13,7 @@ from fastai.data.load import DataLoader
 from .state import *
 
 # %% auto #0
-__all__ = ['allow_replay', 'loader_kind', 'check_len', 'loader_position', 'Resumed']
+__all__ = ['allow_replay', 'fastai_like', 'loader_kind', 'check_len', 'loader_position', 'Resumed']
 
 # %% ../nbs/01a_loaders.ipynb #a1f0c006
 _replayable = weakref.WeakSet()  # the loaders opted in to `allow_replay`
@@ -40,11 +40,17 @@ def _lossy(ds)->str|None:
             ex = getattr(ex, 'ex_iterable', None)
 
 _FASTAI_ITER = ('__iter__', 'create_batches')  # what `_FastForward` relies on in a fastai DataLoader
+_fastai_like = set()  # the subclasses from outside fastai that override them and still resume as fastai's DataLoader does
+
+def fastai_like(cls):
+    "Say that `cls`, a fastai `DataLoader` subclass that overrides `__iter__` or `create_batches`, still draws its order in `get_idxs` and batches it in that order, so it resumes as fastai's does; returns `cls`"
+    _fastai_like.add(cls)
+    return cls
 
 def _fastai_override(dl)->str|None:
-    "The method of `_FASTAI_ITER` that a class of `dl` from outside fastai and this package overrides"
+    "The method of `_FASTAI_ITER` that a class of `dl` from outside fastai overrides, unless the class is `fastai_like`"
     for c in type(dl).__mro__:
-        if c.__module__.split('.')[0] in ('fastai', 'resumable_train'): continue
+        if c.__module__.split('.')[0] == 'fastai' or c in _fastai_like: continue
         for m in _FASTAI_ITER:
             if m in vars(c): return f'{c.__qualname__}.{m}'
 
@@ -73,7 +79,8 @@ def loader_kind(dl, replay:bool|None=None, # allow a replay of the stream (by de
     if isinstance(dl, DataLoader):
         if not getattr(dl, 'indexed', True): _refuse(f"a fastai {name} over an iterable dataset", "it reads the stream in order, so "
             "skipping batch numbers would not skip their items (load the stream with a PyTorch DataLoader in `DataLoaders(train_dl, valid_dl)`)")
-        if m := _fastai_override(dl): _refuse(f"a {name}", f"{m} overrides fastai's iteration, so the package cannot tell how to skip batches")
+        if m := _fastai_override(dl): _refuse(f"a {name}", f"{m} overrides fastai's iteration, so the package cannot tell how to skip "
+                                              "batches (`fastai_like` says that it skips as fastai's does)")
         return 'fastai'
     if type(dl) is torch.utils.data.DataLoader:
         if isinstance(dl.dataset, torch.utils.data.IterableDataset): return _stream_kind(dl, dl.dataset, replay)

@@ -2,7 +2,8 @@
 
 `python stream_script.py OUT SOURCE [--no-replay]`, run in the run's folder: SOURCE is one of `SOURCES`.
 """
-import argparse, warnings
+import argparse, random, warnings
+import numpy as np
 from pathlib import Path
 import torch
 from torch import nn
@@ -22,6 +23,12 @@ class Points(Dataset):
     def __init__(self, n): self.n = n
     def __len__(self): return self.n
     def __getitem__(self, i): return _xy(i)
+
+class Noisy(Points):
+    "Points with noise drawn from python's, numpy's and torch's streams when an item is loaded (in a DataLoader worker)"
+    def __getitem__(self, i):
+        x,y = _xy(i)
+        return x + 0.1*random.random() + 0.1*float(np.random.rand()) + 0.1*torch.rand(1), y
 
 class Counter(IterableDataset):
     "A stream of `n` points that keeps its position (`state_dict`), shared among DataLoader workers by striding"
@@ -72,6 +79,11 @@ def sdl_map(a):
     return DataLoaders(StatefulDataLoader(Points(N), batch_size=BS, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(5)),
                        StatefulDataLoader(Points(16), batch_size=BS, num_workers=2)), []
 
+def sdl_noisy(a):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    return DataLoaders(StatefulDataLoader(Noisy(N), batch_size=BS, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(5)),
+                       StatefulDataLoader(Points(16), batch_size=BS, num_workers=2)), []
+
 def sdl_iter(a):
     from torchdata.stateful_dataloader import StatefulDataLoader
     return DataLoaders(StatefulDataLoader(Counter(N), batch_size=BS, num_workers=2), _valid()), []
@@ -84,7 +96,7 @@ def hf_replay(a): return DataLoaders(TorchDL(_hf(True), batch_size=BS), _valid()
 
 def gen(a): return DataLoaders(TorchDL(Generated(N), batch_size=BS), _valid()), []
 
-SOURCES = dict(sdl_map=sdl_map, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, gen=gen)
+SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, gen=gen)
 REPLAY = ('hf_replay', 'gen')  # resumed by replaying the stream (`AutoResume(replay=True)`)
 
 if __name__ == '__main__':
