@@ -279,11 +279,6 @@ def _epoch_streams(learn)->dict:
     "What decides an epoch's order: the random streams at its start, and the training DataLoader's `rng` and state"
     return dict(torch=torch.get_rng_state(), dl=dl_rng_state(learn.dls.train), rng=rng_state(), dl_state=state_of(learn.dls.train, own=False))
 
-def _loader_record(dl)->dict:
-    "How the training DataLoader `dl` resumes inside the epoch (`loader_kind`), and its position there"
-    kind = loader_kind(dl)
-    return dict(kind=kind, position=loader_position(dl, kind))
-
 def _position(learn):
     ev = getattr(learn, '_event', None)
     if ev == 'after_batch' and learn.training: return learn.epoch, learn.iter+1
@@ -305,7 +300,7 @@ def resume_point(learn)->dict|None:
     pos = _position(learn)
     if pos is None and learn._event not in ('after_fit','after_cancel_fit'): return None
     epoch,it = pos or (None,0)
-    loader = _loader_record(learn.dls.train) if it else None  # refuses a resume point that no run could continue
+    loader = loader_record(learn.dls.train) if it else None  # refuses a resume point that no run could continue
     skip = next(cb for cb in learn.cbs if isinstance(cb, SkipToIter))
     return dict(to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train, hypers=learn.opt.hypers,
                               setup=run_setup(learn, learn.n_epoch), meta=_meta())),
@@ -429,10 +424,6 @@ class SkipToIter(Callback):
     def before_train(self):
         if self.epoch != self.start_epoch or not self.start_iter: return self._keep_epoch_rng()
         kind,rp,self.n_iter_train = loader_kind(self.dl),self.rp,len(self.dl)
-        saved = (rp or {}).get('loader') or {}
-        if rp is not None and saved.get('kind', kind) != kind:
-            raise CheckpointError(f"{rp['file']} was written with a training DataLoader that resumes inside an epoch by {saved['kind']!r}; "
-                                  f"this one ({type(self.dl).__name__}) resumes by {kind!r}: use the same kind of DataLoader, or resume from an epoch's end")
         self.learn.pct_train = rp['pct_train'] if rp else self._replayed_pct()
         if rp is None: self._keep_epoch_rng()
         else:
@@ -440,6 +431,10 @@ class SkipToIter(Callback):
             set_dl_rng_state(self.dls.train, self.epoch_rng['dl'])
             restore_state(self.dls.train, self.epoch_rng.get('dl_state'))
             _restore_streams(self.learn, rp, dls=False)
+        saved = (rp or {}).get('loader') or {}  # read after the callbacks' states: `DistributedTrainer` gives each rank its own
+        if rp is not None and saved.get('kind', kind) != kind:
+            raise CheckpointError(f"{rp['file']} was written with a training DataLoader that resumes inside an epoch by {saved['kind']!r}; "
+                                  f"this one ({type(self.dl).__name__}) resumes by {kind!r}: use the same kind of DataLoader, or resume from an epoch's end")
         start = _epoch_start(self.epoch_rng, rp['rng']) if rp else None  # `epoch_rng` as the callbacks left it
         self.learn.dl = _fast_forward(self.dl, self.start_iter, kind, start, saved.get('position'))
         self.start_iter = 0

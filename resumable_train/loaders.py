@@ -13,7 +13,7 @@ from fastai.data.load import DataLoader
 from .state import *
 
 # %% auto #0
-__all__ = ['allow_replay', 'fastai_like', 'loader_kind', 'check_len', 'loader_position', 'Resumed']
+__all__ = ['allow_replay', 'fastai_like', 'loader_kind', 'check_len', 'loader_position', 'loader_record', 'Resumed']
 
 # %% ../nbs/01a_loaders.ipynb #a1f0c006
 _replayable = weakref.WeakSet()  # the loaders opted in to `allow_replay`
@@ -110,6 +110,11 @@ def loader_position(dl, kind:str):
     "What the resume point keeps of the position of `dl` (of `loader_kind` `kind`) inside an epoch: its state, its dataset's, or `None`"
     if kind == 'state': return dict(state=to_plain(dl.state_dict()), rng=dl_rng_state(dl))
     if kind == 'dataset': return to_plain(dl.dataset.state_dict())
+
+def loader_record(dl)->dict:
+    "How the training DataLoader `dl` resumes inside the epoch (`loader_kind`), and its position there (`loader_position`)"
+    kind = loader_kind(dl)
+    return dict(kind=kind, position=loader_position(dl, kind))
 
 class _Skip(torch.utils.data.IterableDataset):
     "The stream `ds` without its first `n` items, read (not collated) when an iterator is made"

@@ -20,6 +20,8 @@ p.add_argument('--sleep', type=float, default=0.)      # seconds per training ba
 p.add_argument('--mark-at', type=int, default=-1)      # rank 0 writes OUT/marker after this training batch
 p.add_argument('--timeout', type=float, default=20)
 p.add_argument('--torch-dl', action='store_true')     # the training data in a PyTorch DataLoader, which DistributedTrainer refuses
+p.add_argument('--stream', action='store_true')       # the training data a stream of this rank's items, which keeps its position
+p.add_argument('--elastic', action='store_true')      # AutoResume(elastic=True)
 p.add_argument('--no-gate', action='store_true')      # for timing only: skip the stop all-reduce (stops then are not coordinated)
 args = p.parse_args()
 out = Path(args.out); (out/'run').mkdir(parents=True, exist_ok=True)
@@ -62,9 +64,25 @@ if args.no_gate: trainer._agree = lambda stop: stop
 set_seed(0)
 dls = synth_dbunch(bs=15, n_train=args.n_train, n_valid=3)
 if args.torch_dl: dls = DataLoaders(torch.utils.data.DataLoader(dls.train.dataset, batch_size=15), dls.valid)
+
+class RankStream(torch.utils.data.IterableDataset):
+    "This rank's part of a stream over `ds`: items rank, rank+world, ... (as many on every rank); it keeps its position, the index of its next item, which differs by rank"
+    def __init__(self, ds, rank, world): self.ds,self.rank,self.world,self.i,self.n = ds,rank,world,rank,len(ds)//world*world
+    def __len__(self): return self.n//self.world
+    def __iter__(self):
+        while self.i < self.n:
+            self.i += self.world
+            yield self.ds[self.i - self.world]
+        self.i = self.rank
+    def state_dict(self): return {'i': self.i}
+    def load_state_dict(self, sd): self.i = sd['i']
+
+if args.stream:
+    world = int(os.environ.get('WORLD_SIZE', 1))
+    dls = DataLoaders(torch.utils.data.DataLoader(RankStream(dls.train.dataset, rank, world), batch_size=15), dls.valid)
 model = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
 torch.manual_seed(1000 + rank)   # each rank its own random streams (dropout), which a resume must give back to each
-cbs = [trainer, Test(), CSVLogger(), SaveModelCallback(every_epoch=True)] + ([AutoResume(every_iter=args.every)] if args.every else [])
+cbs = [trainer, Test(), CSVLogger(), SaveModelCallback(every_epoch=True)] + ([AutoResume(every_iter=args.every, elastic=args.elastic)] if args.every else [])
 learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=[mae, rmse], cbs=cbs, path=out/'run')
 _start_audit()
 start = time.perf_counter()
