@@ -93,17 +93,6 @@ Learner.one_batch._fastai = _fastai['one_batch']
 
 
 # %% ../nbs/01_learner.ipynb #ba76844a
-def _patch_attrs(o, **attrs)->dict:
-    "Set instance attributes of `o` (in its `__dict__`: PyTorch's DataLoader refuses `setattr` of its sampler); returns what `_unpatch_attrs` needs"
-    old = {n: o.__dict__.get(n) for n in attrs}
-    o.__dict__.update(attrs)
-    return old
-
-def _unpatch_attrs(o, old:dict):
-    for n,v in old.items():
-        if v is None: o.__dict__.pop(n, None)
-        else: o.__dict__[n] = v
-
 def _drop_first(idxs, n):
     return idxs[n:] if isinstance(idxs, list) else itertools.islice(idxs, n, None)
 
@@ -137,10 +126,10 @@ class _FastForward(GetAttr):
     def __iter__(self):
         dl,now = self.dl,self._from_start()
         gen = None if now is None else torch.Generator()
-        old_dl = _patch_attrs(dl, get_idxs=partial(_ff_idxs, dl.get_idxs, self._first_iter*(dl.bs or 1), gen, now, []), _first_iter=self._first_iter)
-        old_fake = _patch_attrs(dl.fake_l, generator=gen)
+        old_dl = patch_attrs(dl, get_idxs=partial(_ff_idxs, dl.get_idxs, self._first_iter*(dl.bs or 1), gen, now, []), _first_iter=self._first_iter)
+        old_fake = patch_attrs(dl.fake_l, generator=gen)
         try: yield from dl
-        finally: _unpatch_attrs(dl, old_dl); _unpatch_attrs(dl.fake_l, old_fake)
+        finally: unpatch_attrs(dl, old_dl); unpatch_attrs(dl.fake_l, old_fake)
 
 class _SkipBatches:
     "The batches of a PyTorch `sampler` but the first `n`; the epoch's draws are made before the first kept batch, then the streams switch to `now`"
@@ -158,9 +147,9 @@ class _TorchFastForward(_FastForward):
     def __iter__(self):
         dl,now = self.dl,self._from_start()  # the iterator draws the workers' base seed, then the sampler its seed
         name = 'sampler' if dl.batch_sampler is None else 'batch_sampler'
-        old = _patch_attrs(dl, **{name: _SkipBatches(getattr(dl, name), self._first_iter, now)})
+        old = patch_attrs(dl, **{name: _SkipBatches(getattr(dl, name), self._first_iter, now)})
         try: yield from dl
-        finally: _unpatch_attrs(dl, old)
+        finally: unpatch_attrs(dl, old)
 
 def _fast_forward(dl, first_iter:int, kind:str, # `loader_kind(dl)`
                   start=None, # the random streams at the epoch's start
@@ -238,9 +227,9 @@ class SeedBatches(Callback):
     def before_train(self):
         self.after_train()  # a training phase that an exception ended left its patches
         self.dl_ = dl = self.learn.dl
-        self.old = _patch_attrs(dl, **_seed_patches(dl, self.dls.train))
+        self.old = patch_attrs(dl, **_seed_patches(dl, self.dls.train))
     def after_train(self):
-        if getattr(self, 'old', None): _unpatch_attrs(self.dl_, self.old)
+        if getattr(self, 'old', None): unpatch_attrs(self.dl_, self.old)
         self.old = {}
     after_fit = after_train
 

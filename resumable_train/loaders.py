@@ -7,13 +7,28 @@ Docs: https://resumable-train.github.io/resumable_train/loaders.html.md"""
 # %% ../nbs/01a_loaders.ipynb #a1f0c003
 from __future__ import annotations
 import itertools, warnings, weakref
+from functools import partial
 import torch
 from fastcore.basics import GetAttr
 from fastai.data.load import DataLoader
 from .state import *
 
 # %% auto #0
-__all__ = ['allow_replay', 'fastai_like', 'loader_kind', 'check_len', 'loader_position', 'loader_record', 'Resumed']
+__all__ = ['patch_attrs', 'unpatch_attrs', 'allow_replay', 'fastai_like', 'loader_kind', 'check_len', 'loader_position',
+           'loader_record', 'Resumed']
+
+# %% ../nbs/01a_loaders.ipynb #a1f0c021
+def patch_attrs(o, **attrs)->dict:
+    "Set instance attributes of `o` (in its `__dict__`: PyTorch's DataLoader refuses `setattr` of its sampler); returns what `unpatch_attrs` needs"
+    old = {n: o.__dict__.get(n) for n in attrs}
+    o.__dict__.update(attrs)
+    return old
+
+def unpatch_attrs(o, old:dict):
+    "Put back the attributes `patch_attrs` set"
+    for n,v in old.items():
+        if v is None: o.__dict__.pop(n, None)
+        else: o.__dict__[n] = v
 
 # %% ../nbs/01a_loaders.ipynb #a1f0c006
 _replayable = weakref.WeakSet()  # the loaders opted in to `allow_replay`
@@ -63,9 +78,8 @@ def _options(stream:bool)->str:
 def _refuse(what:str, why:str, stream:bool=False):
     raise TypeError(f"Cannot resume inside an epoch of {what}: {why}; {_options(stream)}")
 
-def _stream_kind(dl, ds, replay:bool)->str:
-    "How a PyTorch DataLoader `dl` over the `IterableDataset` `ds` resumes inside an epoch"
-    what,workers = f"a PyTorch DataLoader over an IterableDataset ({type(ds).__name__})",dl.num_workers
+def _stream_kind(what:str, ds, workers:int, replay:bool)->str:
+    "How a DataLoader (`what`, in words) over the `IterableDataset` `ds`, with `workers`, resumes inside an epoch"
     if _own_state(ds) and not _lossy(ds) and not workers: return 'dataset'
     if replay and not workers: return 'replay'
     if workers: _refuse(what, f"its {workers} workers each hold a copy of the dataset, whose positions the main process does not see "
@@ -77,13 +91,14 @@ def loader_kind(dl, replay:bool|None=None, # allow a replay of the stream (by de
     "How `dl` resumes inside an epoch: 'fastai' or 'torch' (skipping indices), 'state' (its own `state_dict`), 'dataset' (its dataset's), 'replay'; else a `TypeError` naming the options"
     replay,name = dl in _replayable if replay is None else replay,type(dl).__name__
     if isinstance(dl, DataLoader):
-        if not getattr(dl, 'indexed', True): _refuse(f"a fastai {name} over an iterable dataset", "it reads the stream in order, so "
-            "skipping batch numbers would not skip their items (load the stream with a PyTorch DataLoader in `DataLoaders(train_dl, valid_dl)`)")
+        if not getattr(dl, 'indexed', True):
+            return _stream_kind(f"a fastai {name} over an iterable dataset ({type(dl.dataset).__name__})", dl.dataset, dl.fake_l.num_workers, replay)
         if m := _fastai_override(dl): _refuse(f"a {name}", f"{m} overrides fastai's iteration, so the package cannot tell how to skip "
                                               "batches (`fastai_like` says that it skips as fastai's does)")
         return 'fastai'
     if type(dl) is torch.utils.data.DataLoader:
-        if isinstance(dl.dataset, torch.utils.data.IterableDataset): return _stream_kind(dl, dl.dataset, replay)
+        if isinstance(dl.dataset, torch.utils.data.IterableDataset):
+            return _stream_kind(f"a PyTorch DataLoader over an IterableDataset ({type(dl.dataset).__name__})", dl.dataset, dl.num_workers, replay)
         if dl.persistent_workers: _refuse("a PyTorch DataLoader with persistent_workers", "its workers keep random streams and an "
                                           "iterator that a new process cannot rebuild")
         return 'torch'
@@ -117,14 +132,17 @@ def loader_record(dl)->dict:
     return dict(kind=kind, position=loader_position(dl, kind))
 
 class _Skip(torch.utils.data.IterableDataset):
-    "The stream `ds` without its first `n` items, read (not collated) when an iterator is made"
-    def __init__(self, ds, n:int): self.ds,self.n = ds,n
+    "The stream `ds` without its first `n` items, read (not collated) when an iterator is made; then training goes on with the random streams `now`"
+    def __init__(self, ds, n:int, now:dict|None=None): self.ds,self.n,self.now = ds,n,now
     def __iter__(self):
         it = iter(self.ds)
         got = sum(1 for _ in itertools.islice(it, self.n))
         if got < self.n: raise RuntimeError(f"The stream ended after {got:,} items while replaying {self.n:,} to reach the resume point: "
                                             "it is not the stream the resume point was written with")
+        if self.now is not None: set_rng_state(self.now)
         return it
+
+def _drop_idxs(get_idxs, n:int): return list(get_idxs())[n:]
 
 class Resumed(GetAttr):
     "Iterate `dl` from batch `first_iter` on, from the `position` a resume point keeps (`loader_position`) or by replaying its stream"
@@ -138,26 +156,39 @@ class Resumed(GetAttr):
         self.dl,self._first_iter,self.kind,self.position,self.start = dl,first_iter,kind,position,start
     def __len__(self): return len(self.dl)
 
-    def _make(self):
-        "The iterator of `dl`, at the position"
+    def _from_state(self):
+        "The iterator of a loader that keeps its own position, at the position"
         dl = self.dl
-        if self.kind == 'state':
-            dl.load_state_dict(self.position['state'])
-            it = iter(dl)
-            set_dl_rng_state(dl, self.position['rng'])  # torchdata's resume leaves its generator a draw behind the run it continues
-            return it
-        if self.kind == 'dataset': dl.dataset.load_state_dict(self.position); return iter(dl)
-        n = self._first_iter*(dl.batch_size or 1)
-        warnings.warn(f"Replaying {self._first_iter:,} batches ({n:,} items) of the stream to reach the resume point (read, not collated)")
-        ds = dl.dataset
-        dl.__dict__['dataset'] = _Skip(ds, n)  # in `__dict__`: PyTorch's DataLoader refuses `setattr` of its dataset
-        try: return iter(dl)
-        finally: dl.__dict__['dataset'] = ds
+        dl.load_state_dict(self.position['state'])
+        it = iter(dl)
+        set_dl_rng_state(dl, self.position['rng'])  # torchdata's resume leaves its generator a draw behind the run it continues
+        return it
+
+    def _stream_patches(self, now)->dict:
+        "What `dl` iterates over instead of its stream: the stream from its position, or without the items before the first batch"
+        dl,fastai = self.dl,isinstance(self.dl, DataLoader)
+        n = 0
+        if self.kind == 'dataset': dl.dataset.load_state_dict(self.position)
+        else:
+            n = self._first_iter*((dl.bs if fastai else dl.batch_size) or 1)
+            warnings.warn(f"Replaying {self._first_iter:,} batches ({n:,} items) of the stream to reach the resume point (read, not collated)")
+        patches = dict(dataset=_Skip(dl.dataset, n, now))
+        if fastai: patches['get_idxs'] = partial(_drop_idxs, dl.get_idxs, self._first_iter*(dl.bs or 1))  # the placeholders of the skipped items
+        return patches
 
     def __iter__(self):
-        now = rng_state() if self.start is not None else None
+        dl,now = self.dl,rng_state() if self.start is not None else None
         if now is not None: set_rng_state(self.start)
-        try: it = self._make()
-        finally:
-            if now is not None: set_rng_state(now)
+        if self.kind == 'state':
+            try: it = self._from_state()
+            finally:
+                if now is not None: set_rng_state(now)
+            yield from it
+            return
+        old = patch_attrs(dl, **self._stream_patches(now))
+        try:
+            it = iter(dl)  # PyTorch's makes its dataset's iterator here; fastai's at the first batch (then `_Skip` switches the streams)
+            first = next(it, None) if isinstance(dl, DataLoader) else None
+        finally: unpatch_attrs(dl, old)  # a resume point in this epoch sees the loader itself
+        if first is not None: yield first
         yield from it

@@ -32,19 +32,17 @@ class Noisy(Points):
 
 class Counter(IterableDataset):
     "A stream of `n` points that keeps its position (`state_dict`), shared among DataLoader workers by striding"
-    def __init__(self, n): self.n,self.pos = n,0
+    def __init__(self, n): self.n,self.pos,self.loaded = n,0,None
     def __len__(self): return self.n
     def __iter__(self):
         w = get_worker_info()
         k,m = (w.id,w.num_workers) if w else (0,1)
-        while True:
-            i = k + self.pos*m
-            if i >= self.n: break
+        self.pos,self.loaded = self.loaded or 0,None  # an iteration starts at the beginning, or where a loaded state says
+        while (i := k + self.pos*m) < self.n:
             self.pos += 1
             yield _xy(i)
-        self.pos = 0
     def state_dict(self): return {'pos': self.pos}
-    def load_state_dict(self, sd): self.pos = sd['pos']
+    def load_state_dict(self, sd): self.loaded = sd['pos']
 
 class Generated(IterableDataset):
     "A generator stream, with no position of its own: its order is drawn from torch's stream when it starts"
@@ -96,8 +94,16 @@ def hf_replay(a): return DataLoaders(TorchDL(_hf(True), batch_size=BS), _valid()
 
 def gen(a): return DataLoaders(TorchDL(Generated(N), batch_size=BS), _valid()), []
 
-SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, gen=gen)
-REPLAY = ('hf_replay', 'gen')  # resumed by replaying the stream (`AutoResume(replay=True)`)
+def fastai_state(a):
+    from fastai.data.load import DataLoader
+    return DataLoaders(DataLoader(Counter(N), bs=BS), _valid()), []
+
+def fastai_gen(a):
+    from fastai.data.load import DataLoader
+    return DataLoaders(DataLoader(Generated(N), bs=BS), _valid()), []
+
+SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, gen=gen, fastai_state=fastai_state, fastai_gen=fastai_gen)
+REPLAY = ('hf_replay', 'gen', 'fastai_gen')  # resumed by replaying the stream (`AutoResume(replay=True)`)
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser()
