@@ -306,7 +306,8 @@ def dl_states(learn)->list:
 
 def load_dl_states(learn, sds:list):
     "Give `learn`'s DataLoaders the states `dl_states` gave"
-    for dl,sd in zip(learn.dls.loaders, sds): restore_state(dl, sd, own=False)
+    for dl,sd in zip(learn.dls.loaders, sds):
+        if has_state(dl, own=False): restore_state(dl, sd, own=False)  # a loader's own `state_dict` (which resume points of 0.2.0 kept here) is its position: see `loaders`
 
 def module_states(model)->dict:
     "The registered state of each module of `model` that keeps one (a recurrent model's hidden state), by the module's name"
