@@ -15,13 +15,13 @@ p.add_argument('--kill-rank', type=int, default=-1)    # SIGKILL this rank ...
 p.add_argument('--kill-at', type=int, default=-1)      # ... after this training batch (train_iter)
 p.add_argument('--hang-rank', type=int, default=-1)    # SIGSTOP this rank (it hangs, it does not die) ...
 p.add_argument('--hang-at', type=int, default=-1)      # ... after this training batch (train_iter)
+p.add_argument('--torch-dl', action='store_true')     # the training data in a PyTorch DataLoader over a map-style dataset (refused)
+p.add_argument('--stream', action='store_true')       # the training data a stream of this rank's items, which keeps its position
+p.add_argument('--elastic', action='store_true')      # AutoResume(elastic=True)
 p.add_argument('--stop-rank0-at', type=int, default=-1)  # rank 0 alone raises CancelFitException at the end of this epoch
 p.add_argument('--sleep', type=float, default=0.)      # seconds per training batch
 p.add_argument('--mark-at', type=int, default=-1)      # rank 0 writes OUT/marker after this training batch
 p.add_argument('--timeout', type=float, default=20)
-p.add_argument('--torch-dl', action='store_true')     # the training data in a PyTorch DataLoader, which DistributedTrainer refuses
-p.add_argument('--stream', action='store_true')       # the training data a stream of this rank's items, which keeps its position
-p.add_argument('--elastic', action='store_true')      # AutoResume(elastic=True)
 p.add_argument('--no-gate', action='store_true')      # for timing only: skip the stop all-reduce (stops then are not coordinated)
 args = p.parse_args()
 out = Path(args.out); (out/'run').mkdir(parents=True, exist_ok=True)
@@ -48,6 +48,25 @@ def _start_audit():
     os.replace = lambda a, b, *x, **k: (writes.append(str(b)), _replace(a, b, *x, **k))[1]
     torch.save = lambda obj, f, *x, **k: (writes.append(str(f)) if isinstance(f, (str, Path)) else None, _save(obj, f, *x, **k))[1]
 
+class RankStream(torch.utils.data.IterableDataset):
+    "This rank's part of a stream over `ds`: items rank, rank+world, ... (as many on every rank); it keeps its position, the index of its next item, which differs by rank"
+    def __init__(self, ds, rank, world): self.ds,self.rank,self.world,self.i,self.n = ds,rank,world,rank,len(ds)//world*world
+    def __len__(self): return self.n//self.world
+    def __iter__(self):
+        while self.i < self.n:
+            self.i += self.world
+            yield self.ds[self.i - self.world]
+        self.i = self.rank
+    def state_dict(self): return {'i': self.i}
+    def load_state_dict(self, sd): self.i = sd['i']
+
+def train_data(dls):
+    "`dls` with the training data as `--torch-dl` or `--stream` ask"
+    ds,world = dls.train.dataset,int(os.environ.get('WORLD_SIZE', 1))
+    if args.torch_dl: return DataLoaders(torch.utils.data.DataLoader(ds, batch_size=15), dls.valid)
+    if args.stream: return DataLoaders(torch.utils.data.DataLoader(RankStream(ds, rank, world), batch_size=15), dls.valid)
+    return dls
+
 class Test(Callback):
     order = 96
     def after_batch(self):
@@ -63,26 +82,10 @@ trainer = DistributedTrainer(timeout=args.timeout)
 if args.no_gate: trainer._agree = lambda stop: stop
 set_seed(0)
 dls = synth_dbunch(bs=15, n_train=args.n_train, n_valid=3)
-if args.torch_dl: dls = DataLoaders(torch.utils.data.DataLoader(dls.train.dataset, batch_size=15), dls.valid)
-
-class RankStream(torch.utils.data.IterableDataset):
-    "This rank's part of a stream over `ds`: items rank, rank+world, ... (as many on every rank); it keeps its position, the index of its next item, which differs by rank"
-    def __init__(self, ds, rank, world): self.ds,self.rank,self.world,self.i,self.n = ds,rank,world,rank,len(ds)//world*world
-    def __len__(self): return self.n//self.world
-    def __iter__(self):
-        while self.i < self.n:
-            self.i += self.world
-            yield self.ds[self.i - self.world]
-        self.i = self.rank
-    def state_dict(self): return {'i': self.i}
-    def load_state_dict(self, sd): self.i = sd['i']
-
-if args.stream:
-    world = int(os.environ.get('WORLD_SIZE', 1))
-    dls = DataLoaders(torch.utils.data.DataLoader(RankStream(dls.train.dataset, rank, world), batch_size=15), dls.valid)
 model = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
 torch.manual_seed(1000 + rank)   # each rank its own random streams (dropout), which a resume must give back to each
 cbs = [trainer, Test(), CSVLogger(), SaveModelCallback(every_epoch=True)] + ([AutoResume(every_iter=args.every, elastic=args.elastic)] if args.every else [])
+dls = train_data(dls)
 learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=[mae, rmse], cbs=cbs, path=out/'run')
 _start_audit()
 start = time.perf_counter()
