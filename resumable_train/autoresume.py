@@ -444,7 +444,7 @@ def before_fit(self:AutoResume):
     if hasattr(self.learn, 'lr_finder'): self.run = False; return  # `lr_find` is not a fit call of the run
     self.fitting = getattr(self.learn, '_fitting', False)
     if not self.fitting: return  # `validate` and `get_preds` send `before_fit` too; a fit that bypasses `Learner.fit` fails in `before_train`
-    check_len(self.dls.train)
+    check_resumable(self.dls.train)
     if self.replay: allow_replay(self.dls.train)
     if self.every_iter or self.every_secs: loader_kind(self.dls.train)  # refuse, before the first batch, a loader no run could continue inside an epoch
     self._restore_handlers()  # a fit call that an exception ended left them

@@ -289,6 +289,7 @@ def resume_point(learn)->dict|None:
     pos = _position(learn)
     if pos is None and learn._event not in ('after_fit','after_cancel_fit'): return None
     epoch,it = pos or (None,0)
+    check_resumable(learn.dls.train)
     loader = loader_record(learn.dls.train) if it else None  # refuses a resume point that no run could continue
     skip = next(cb for cb in learn.cbs if isinstance(cb, SkipToIter))
     return dict(to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train, hypers=learn.opt.hypers,
@@ -390,6 +391,7 @@ class SkipToIter(Callback):
         check_len(self.dls.train)
         self.rp = rp = self.learn.__dict__.pop('_resume', None)
         if rp is not None:
+            check_resumable(self.dls.train)
             if rp['check']: check_setup(rp['setup'], run_setup(self.learn, self.n_epoch), rp['file'])
             if rp.get('strict_hypers') is not None: _check_plan(rp.get('plan'), fit_plan(self.learn), rp['file'], rp['strict_hypers'])
             self.start_epoch,self.start_iter = rp['epoch'],rp['iter']

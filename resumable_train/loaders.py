@@ -14,8 +14,8 @@ from fastai.data.load import DataLoader
 from .state import *
 
 # %% auto #0
-__all__ = ['patch_attrs', 'unpatch_attrs', 'allow_replay', 'fastai_like', 'loader_kind', 'check_len', 'loader_position',
-           'loader_record', 'Resumed']
+__all__ = ['patch_attrs', 'unpatch_attrs', 'allow_replay', 'fastai_like', 'loader_kind', 'check_len', 'check_resumable',
+           'loader_position', 'loader_record', 'Resumed']
 
 # %% ../nbs/01a_loaders.ipynb #a1f0c021
 def patch_attrs(o, **attrs)->dict:
@@ -70,6 +70,9 @@ def _fastai_override(dl)->str|None:
             if m in vars(c): return f'{c.__qualname__}.{m}'
 
 # %% ../nbs/01a_loaders.ipynb #a1f0c007
+_PERSISTENT = ("its workers keep their random streams and their base seed from epoch to epoch, which a new process cannot rebuild; "
+               "use persistent_workers=False")
+
 def _options(stream:bool)->str:
     return ("give its dataset `state_dict()`/`load_state_dict()` methods, or load it with torchdata's `StatefulDataLoader`; or opt in to "
             "reading the stream again up to the resume point (`AutoResume(replay=True)`, or `allow_replay(dl)`); " if stream else "") + (
@@ -99,8 +102,7 @@ def loader_kind(dl, replay:bool|None=None, # allow a replay of the stream (by de
     if type(dl) is torch.utils.data.DataLoader:
         if isinstance(dl.dataset, torch.utils.data.IterableDataset):
             return _stream_kind(f"a PyTorch DataLoader over an IterableDataset ({type(dl.dataset).__name__})", dl.dataset, dl.num_workers, replay)
-        if dl.persistent_workers: _refuse("a PyTorch DataLoader with persistent_workers", "its workers keep random streams and an "
-                                          "iterator that a new process cannot rebuild")
+        if dl.persistent_workers: _refuse("a PyTorch DataLoader with persistent_workers", _PERSISTENT)
         return 'torch'
     if _own_state(dl):
         why = _lossy(getattr(dl, 'dataset', None))
@@ -119,6 +121,14 @@ def check_len(dl):
         raise TypeError(f"The training DataLoader ({type(dl).__name__}{f' over a {type(ds).__name__}' if ds is not None else ''}) has no "
                         "length; fastai needs the number of batches of an epoch: give the dataset a `__len__` (the number of items one "
                         "epoch yields)") from e
+
+
+def check_resumable(dl):
+    "Raise a `TypeError` saying why a run whose training DataLoader is `dl` cannot be resumed exactly, even at an epoch's end"
+    check_len(dl)
+    if isinstance(dl, torch.utils.data.DataLoader) and dl.persistent_workers:
+        raise TypeError(f"Cannot resume a run whose training DataLoader ({type(dl).__name__}) has persistent_workers=True: {_PERSISTENT} "
+                        "(resumed even at an epoch's end, it would train on other data)")
 
 # %% ../nbs/01a_loaders.ipynb #a1f0c015
 def loader_position(dl, kind:str):

@@ -102,7 +102,9 @@ def fastai_gen(a):
     from fastai.data.load import DataLoader
     return DataLoaders(DataLoader(Generated(N), bs=BS), _valid()), []
 
-SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, gen=gen, fastai_state=fastai_state, fastai_gen=fastai_gen)
+def persistent(a): return DataLoaders(TorchDL(Points(N), batch_size=BS, shuffle=True, num_workers=2, persistent_workers=True), _valid()), []
+
+SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, gen=gen, fastai_state=fastai_state, fastai_gen=fastai_gen, persistent=persistent)
 REPLAY = ('hf_replay', 'gen', 'fastai_gen')  # resumed by replaying the stream (`AutoResume(replay=True)`)
 
 if __name__ == '__main__':

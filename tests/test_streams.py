@@ -29,9 +29,12 @@ def test_kill_and_rerun(forker, tmp_path, source):
     assert any(t[0][2] for t in trained[1:-1] if t), "no rerun started inside an epoch"
     assert torch.load(out, weights_only=True)['steps'] == 0, "the rerun after completion took optimizer steps"
 
-def test_stream_refused_without_replay(forker, tmp_path):
-    "A generator stream without the replay opt-in is refused at `before_fit`, naming the option, before any batch is trained"
-    rc,lines = kr.run_until(forker, SCRIPT, [tmp_path/'out.pth', 'gen', '--no-replay'], cwd=tmp_path)
+@pytest.mark.parametrize('source,args,words', [
+    ('gen', ['--no-replay'], ['AutoResume(replay=True)', 'Generated']),  # a stream without the replay opt-in
+    ('persistent', [], ['persistent_workers=True', 'epoch'])])           # persistent workers: not even at epoch ends
+def test_refused_before_fit(forker, tmp_path, source, args, words):
+    "A loader the package cannot resume exactly is refused at `before_fit`, with the reason and the option, before any batch is trained"
+    rc,lines = kr.run_until(forker, SCRIPT, [tmp_path/'out.pth', source, *args], cwd=tmp_path)
     out = ''.join(lines)
     assert rc != 0 and not kr.batches(lines), out[-3000:]
-    assert 'before_fit' in out and 'AutoResume(replay=True)' in out and 'Generated' in out, out[-3000:]
+    assert 'before_fit' in out and all(w in out for w in words), out[-3000:]
