@@ -6,12 +6,13 @@
 __all__ = []
 
 # %% ../nbs/09_all.ipynb #a8cfaa7a
-from . import files, store, state, learner, autoresume, distributed
+from . import files, store, state, loaders, learner, autoresume, distributed
 from .cli import checkpoint_info, digits_learner, weights_digest
 from .files import *
 from .store import *
 from .state import *
+from .loaders import *
 from .learner import *
 from .autoresume import *
 from .distributed import *
-__all__ = files.__all__ + store.__all__ + state.__all__ + learner.__all__ + autoresume.__all__ + distributed.__all__ + ['checkpoint_info', 'digits_learner', 'weights_digest']
+__all__ = files.__all__ + store.__all__ + state.__all__ + loaders.__all__ + learner.__all__ + autoresume.__all__ + distributed.__all__ + ['checkpoint_info', 'digits_learner', 'weights_digest']

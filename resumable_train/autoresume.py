@@ -18,6 +18,7 @@ from .files import *
 from .store import *
 from .state import *
 from .learner import *
+from .loaders import *
 from .learner import _position, _restore_streams, _load_through, _read_on_rank0, _group_device, _bypassed, _plan_changes, fit_plan, _log_history
 
 # %% auto #0
@@ -132,10 +133,11 @@ class AutoResume(Callback):
                  dir=None, # a folder, an fsspec URL (`s3://bucket/run1`) or a store (`as_store`); `learn.path/learn.model_dir` by default
                  stop_wait:float=30, # seconds a stop by a signal waits for the resume point being written
                  fresh_callbacks=(), # keys of callbacks added since the resume points were written, which start afresh (by default refused)
+                 replay:bool=False, # let a training DataLoader over a stream resume inside an epoch by reading the stream again up to the resume point (`allow_replay`)
                 ):
         if not (isinstance(keep, int) and keep >= 1):
             raise ValueError(f"AutoResume(keep={keep!r}): keep at least 1 resume point; with none, a stopped run could not continue")
-        store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,stop_wait,fresh_callbacks')
+        store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,stop_wait,fresh_callbacks,replay')
         self.done,self.fits,self.ends,self.unfinished,self.due = 0,[],[],False,False
         self.calls,self.caller,self.cut,self.last_point,self.stopping = [],(None, None),False,None,False  # see "A cell run again" and "Signals"
         self.writer,self.host_copy,self.fitting = _Writer(background),None,False
@@ -551,6 +553,9 @@ def before_fit(self:AutoResume):
     if hasattr(self.learn, 'lr_finder'): self.run = False; return  # `lr_find` is not a fit call of the run
     self.fitting = getattr(self.learn, '_fitting', False)
     if not self.fitting: return  # `validate` and `get_preds` send `before_fit` too; a fit that bypasses `Learner.fit` fails in `before_train`
+    check_resumable(self.dls.train)
+    if self.replay: allow_replay(self.dls.train)
+    if self.every_iter or self.every_secs: loader_kind(self.dls.train)  # refuse, before the first batch, a loader no run could continue inside an epoch
     self._restore_handlers()  # a fit call that an exception ended left them
     plan = fit_plan(self.learn)  # before a resume point's optimizer state replaces the hyperparameters this call was given
     self.fit_index = self._which_call(me := self._identity(plan))

@@ -14,6 +14,7 @@ from fastai.callback.core import Callback, CancelFitException
 from .files import *
 from .state import *
 from .state import _metric_state, _set_metric_state, _qualname
+from .loaders import *
 from .learner import *
 from .learner import _world_error, _world_size, _position, _seeded, _group_device
 from .autoresume import agree
@@ -47,6 +48,7 @@ def _leave_group():
     if _group(): dist.destroy_process_group()  # left to the interpreter's exit, gloo's threads can abort the process after a finished run
 
 # %% ../nbs/03_distributed.ipynb #ecc87386
+@fastai_like
 class _ShardDL(DataLoader):
     "This rank's share of `dl`: every `world_size`-th index of `dl`'s order from position `offset` on, padded so that every rank gets as many"
     _default = 'dl'
@@ -85,6 +87,19 @@ def _to_inner(n):
     return _f
 
 for _n in ('randomize','wif','before_iter','after_batch','create_batches','do_item','do_batch','new'): setattr(_ShardDL, _n, _to_inner(_n))
+
+def _is_stream(dl)->bool:
+    "Is `dl` a stream or a loader with its own position (not fastai's), which yields each rank's part itself?"
+    return not isinstance(dl, DataLoader) and (isinstance(getattr(dl, 'dataset', None), torch.utils.data.IterableDataset) or has_state(dl))
+
+def _shard(dl, rank:int, world_size:int):
+    "This rank's share of the training DataLoader `dl`: a fastai DataLoader sharded; a stream as it is, since it yields this rank's part"
+    if _is_stream(dl): return dl
+    if not isinstance(dl, DataLoader):
+        raise TypeError(f"DDPTrainer shards fastai DataLoaders, and leaves a stream or a stateful loader (which yields each rank's "
+                        f"part itself) as it is; the training DataLoader is a {type(dl).__name__} over a map-style dataset, which it can neither "
+                        "share among the ranks nor resume rank by rank: build it with fastai (`DataLoaders.from_dsets`), or train in one process")
+    return _ShardDL(dl, rank, world_size)
 
 # %% ../nbs/03_distributed.ipynb #8511e83a
 _RANK0 = {f'fastai.callback.progress.{n}' for n in ('ProgressCallback','ShowGraphCallback','CSVLogger')}  # by name: importing
@@ -189,7 +204,7 @@ def before_fit(self:DDPTrainer):
     learn.model = self.ddp
     states = self._collective(lambda: _broadcast([dl_rng_state(dl) for dl in learn.dls.loaders]), "receive rank 0's data order")
     for dl,s in zip(learn.dls.loaders, states): set_dl_rng_state(dl, s)
-    learn.dls.loaders = [_ShardDL(learn.dls.train, self.rank, self.world_size), *learn.dls.loaders[1:]]
+    learn.dls.loaders = [_shard(learn.dls.train, self.rank, self.world_size), *learn.dls.loaders[1:]]
     if self.rank:
         learn.logger = noop
         for cb in learn.cbs:
@@ -242,7 +257,9 @@ def state_dict(self:DDPTrainer):
     "World size, position in the epoch's sample order, and every rank's random streams (complete on rank 0, which writes the file)"
     skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
     er = getattr(skip, 'epoch_rng', None)
-    mine = to_plain(dict(rng=rng_state(), epoch_rng=er['rng'] if er else None), copy=True)
+    pos,dl = _position(self.learn),self._data()
+    loader = loader_record(dl) if _is_stream(dl) and pos is not None and pos[1] else None  # a stream's position: each rank's own
+    mine = to_plain(dict(rng=rng_state(), epoch_rng=er['rng'] if er else None, loader=loader), copy=True)
     ranks = [mine]
     if self.active:
         ranks = None if self.rank else [None]*self.world_size
@@ -267,6 +284,7 @@ def load_state_dict(self:DDPTrainer, sd):
     mine = _rank_streams(sd, self.rank)
     self.pending = mine['rng']
     skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
+    if mine.get('loader') is not None and skip.rp is not None: skip.rp['loader'] = mine['loader']  # where this rank's stream goes on
     if getattr(self.learn, '_event', None) != 'before_train' or skip.epoch_rng is None: return
     if mine.get('epoch_rng') is not None: skip.epoch_rng = dict(skip.epoch_rng, rng=mine['epoch_rng'])
     elif mine.get('epoch_torch') is not None: skip.epoch_rng = dict(skip.epoch_rng, torch=mine['epoch_torch'])  # written by 0.1.0
@@ -324,6 +342,10 @@ def plan_resume(self:DDPTrainer, rp:dict|None, # the resume point `learn.load` l
         self.rest = sd.get('rest')   # an epoch that an elastic resume started goes on as it began
         return
     if not elastic: raise _world_error(file, saved, now)
+    if _is_stream(self._data()):
+        raise CheckpointError(f"{file} holds a run on {saved} process(es) whose training data is a stream ({type(self._data()).__name__}), whose "
+                              f"position each rank keeps for its own part: on {now} process(es) every rank would read another part of it. "
+                              f"Relaunch with {saved} process(es), or load it with with_iter=False to start a new run from its weights")
     if 'n' not in sd or (sd['position'] is None and rp['iter']):
         raise CheckpointError(f"{file} does not record where the epoch is in its sample order (written by resumable_train 0.1, or with a "
                               f"DataLoader that is not fastai's); resume it on {saved} process(es), or from the end of an epoch")

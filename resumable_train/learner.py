@@ -18,6 +18,7 @@ from fastai.learner import Learner, save_model
 from fastcore.xtras import join_path_file
 from .files import *
 from .state import *
+from .loaders import *
 from .files import _stock_safe, _log_ref
 from .store import LocalStore, is_url, locate
 from .state import _qualname, _logged_histories
@@ -90,17 +91,6 @@ Learner.one_batch._fastai = _fastai['one_batch']
 
 
 # %% ../nbs/01_learner.ipynb #ba76844a
-def _patch_attrs(o, **attrs)->dict:
-    "Set instance attributes of `o` (in its `__dict__`: PyTorch's DataLoader refuses `setattr` of its sampler); returns what `_unpatch_attrs` needs"
-    old = {n: o.__dict__.get(n) for n in attrs}
-    o.__dict__.update(attrs)
-    return old
-
-def _unpatch_attrs(o, old:dict):
-    for n,v in old.items():
-        if v is None: o.__dict__.pop(n, None)
-        else: o.__dict__[n] = v
-
 def _drop_first(idxs, n):
     return idxs[n:] if isinstance(idxs, list) else itertools.islice(idxs, n, None)
 
@@ -134,10 +124,10 @@ class _FastForward(GetAttr):
     def __iter__(self):
         dl,now = self.dl,self._from_start()
         gen = None if now is None else torch.Generator()
-        old_dl = _patch_attrs(dl, get_idxs=partial(_ff_idxs, dl.get_idxs, self._first_iter*(dl.bs or 1), gen, now, []), _first_iter=self._first_iter)
-        old_fake = _patch_attrs(dl.fake_l, generator=gen)
+        old_dl = patch_attrs(dl, get_idxs=partial(_ff_idxs, dl.get_idxs, self._first_iter*(dl.bs or 1), gen, now, []), _first_iter=self._first_iter)
+        old_fake = patch_attrs(dl.fake_l, generator=gen)
         try: yield from dl
-        finally: _unpatch_attrs(dl, old_dl); _unpatch_attrs(dl.fake_l, old_fake)
+        finally: unpatch_attrs(dl, old_dl); unpatch_attrs(dl.fake_l, old_fake)
 
 class _SkipBatches:
     "The batches of a PyTorch `sampler` but the first `n`; the epoch's draws are made before the first kept batch, then the streams switch to `now`"
@@ -155,21 +145,18 @@ class _TorchFastForward(_FastForward):
     def __iter__(self):
         dl,now = self.dl,self._from_start()  # the iterator draws the workers' base seed, then the sampler its seed
         name = 'sampler' if dl.batch_sampler is None else 'batch_sampler'
-        old = _patch_attrs(dl, **{name: _SkipBatches(getattr(dl, name), self._first_iter, now)})
+        old = patch_attrs(dl, **{name: _SkipBatches(getattr(dl, name), self._first_iter, now)})
         try: yield from dl
-        finally: _unpatch_attrs(dl, old)
+        finally: unpatch_attrs(dl, old)
 
-def _fast_forwarder(dl):
-    "The class that fast-forwards `dl`, or a `TypeError` saying why `dl` cannot resume inside an epoch"
-    if isinstance(dl, DataLoader): return _FastForward
-    what = f"a {type(dl).__name__}"
-    if isinstance(dl, torch.utils.data.DataLoader):
-        if not isinstance(dl.dataset, torch.utils.data.IterableDataset) and not dl.persistent_workers: return _TorchFastForward
-        what = ("a PyTorch DataLoader over an IterableDataset, whose position is inside the dataset's own iterator and cannot be "
-                "reached without reading the skipped items" if dl.persistent_workers is False else
-                "a PyTorch DataLoader with persistent_workers, whose workers keep random streams and an iterator that a new process cannot rebuild")
-    raise TypeError(f"Cannot resume inside an epoch of {what}; save resume points only at epoch ends (`AutoResume(every_iter=None)` "
-                    "saves after each epoch), or use a fastai DataLoader or a PyTorch DataLoader over a map-style Dataset")
+def _fast_forward(dl, first_iter:int, kind:str, # `loader_kind(dl)`
+                  start=None, # the random streams at the epoch's start
+                  position=None, # `loader_position` at the resume point
+                 ):
+    "`dl` from batch `first_iter` on, resumed as loaders of its kind resume"
+    if kind == 'fastai': return _FastForward(dl, first_iter, start)
+    if kind == 'torch': return _TorchFastForward(dl, first_iter, start)
+    return Resumed(dl, first_iter, kind, position, start)
 
 # %% ../nbs/01_learner.ipynb #a8fc35ef
 def _seeded_idxs(dl, get_idxs, rng_dl):
@@ -185,7 +172,7 @@ def _seeded(s):
     try: yield
     finally: random.setstate(st[0]); np.random.set_state(st[1]); torch.set_rng_state(st[2])
 
-def _batch_seed(epoch_seed, i): return int(np.random.SeedSequence([epoch_seed, i]).generate_state(1)[0])
+def _batch_seed(epoch_seed, i:int|list): return int(np.random.SeedSequence([epoch_seed, *(i if isinstance(i, list) else [i])]).generate_state(1)[0])
 
 def _seeded_batches(dl, samps):
     "Like `DataLoader.create_batches`, with each batch's items made under a seed of (epoch order, batch index)"
@@ -209,9 +196,9 @@ class _NumberedBatches:
     def __iter__(self): return (_Batch(b, i) for i,b in enumerate(self.sampler))
 
 class _SeededItems(GetAttr):
-    "The map-style dataset `ds`, whose batches are made, in a PyTorch DataLoader's workers, under a seed of (workers' base seed, batch index)"
+    "The map-style dataset `ds`, whose batches are made, in a PyTorch DataLoader's workers, under a seed of (workers' base seed, batch index or, `by_indices`, the batch's indices)"
     _default = 'ds'
-    def __init__(self, ds): self.ds = ds
+    def __init__(self, ds, by_indices:bool=False): self.ds,self.by_indices = ds,by_indices
     def __len__(self): return len(self.ds)
     def __getitem__(self, i): return self.ds[i]
     def _items(self, b):
@@ -219,15 +206,18 @@ class _SeededItems(GetAttr):
         return getitems(list(b)) if getitems else [self.ds[i] for i in b]
     def __getitems__(self, b):
         info = torch.utils.data.get_worker_info()
-        if info is None or not isinstance(b, _Batch): return self._items(b)
-        with _seeded(_batch_seed(info.seed - info.id, b.i)): return self._items(b)
+        key = b.i if isinstance(b, _Batch) else list(map(int, b)) if self.by_indices else None
+        if info is None or key is None: return self._items(b)
+        with _seeded(_batch_seed(info.seed - info.id, key)): return self._items(b)
 
 def _seed_patches(dl, rng_dl)->dict:
     "The attributes `SeedBatches` gives a fastai DataLoader (whose epoch seed comes from `rng_dl.rng`), or a PyTorch DataLoader that batches a map-style dataset"
     if isinstance(dl, DataLoader): return dict(get_idxs=partial(_seeded_idxs, dl, dl.get_idxs, rng_dl), create_batches=partial(_seeded_batches, dl))
     if not isinstance(dl, torch.utils.data.DataLoader) or dl.batch_sampler is None or isinstance(dl.dataset, torch.utils.data.IterableDataset): return {}
     if dl.persistent_workers: return {}  # their base seed is drawn once: every epoch would repeat the same draws
-    return dict(dataset=_SeededItems(dl.dataset), batch_sampler=_NumberedBatches(dl.batch_sampler))
+    if type(dl) is torch.utils.data.DataLoader: return dict(dataset=_SeededItems(dl.dataset), batch_sampler=_NumberedBatches(dl.batch_sampler))
+    if has_state(dl): return dict(dataset=_SeededItems(dl.dataset, by_indices=True))  # a loader with its own position (torchdata's) keeps its batch sampler, whose state it saves
+    return {}
 
 class SeedBatches(Callback):
     "Make the item randomness of each training batch depend only on the epoch's order (or workers' base seed) and the batch index"
@@ -235,9 +225,9 @@ class SeedBatches(Callback):
     def before_train(self):
         self.after_train()  # a training phase that an exception ended left its patches
         self.dl_ = dl = self.learn.dl
-        self.old = _patch_attrs(dl, **_seed_patches(dl, self.dls.train))
+        self.old = patch_attrs(dl, **_seed_patches(dl, self.dls.train))
     def after_train(self):
-        if getattr(self, 'old', None): _unpatch_attrs(self.dl_, self.old)
+        if getattr(self, 'old', None): unpatch_attrs(self.dl_, self.old)
         self.old = {}
     after_fit = after_train
 
@@ -275,7 +265,7 @@ def _restore_streams(learn, rec, dls=True,
 
 def _epoch_streams(learn)->dict:
     "What decides an epoch's order: the random streams at its start, and the training DataLoader's `rng` and state"
-    return dict(torch=torch.get_rng_state(), dl=dl_rng_state(learn.dls.train), rng=rng_state(), dl_state=state_of(learn.dls.train))
+    return dict(torch=torch.get_rng_state(), dl=dl_rng_state(learn.dls.train), rng=rng_state(), dl_state=state_of(learn.dls.train, own=False))
 
 def _position(learn):
     ev = getattr(learn, '_event', None)
@@ -298,13 +288,14 @@ def resume_point(learn)->dict|None:
     pos = _position(learn)
     if pos is None and learn._event not in ('after_fit','after_cancel_fit'): return None
     epoch,it = pos or (None,0)
-    if it: _fast_forwarder(learn.dls.train)  # refuse a resume point that no run could continue
+    check_resumable(learn.dls.train)
+    loader = loader_record(learn.dls.train) if it else None  # refuses a resume point that no run could continue
     skip = next(cb for cb in learn.cbs if isinstance(cb, SkipToIter))
     return dict(to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train, hypers=learn.opt.hypers,
                               setup=run_setup(learn, learn.n_epoch), meta=_meta())),
         rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders],  # plain already:
         dl_states=dl_states(learn), modules=module_states(learn.model),
-        epoch_rng=skip.epoch_rng if it else None, callbacks=callback_states(learn),
+        epoch_rng=skip.epoch_rng if it else None, loader=loader, callbacks=callback_states(learn),
         metric_names=_value_names(learn), plan=_fit_plan_once(learn),
         grads=_grad_states(learn))  # walked once more, these would cost more than the rest of the snapshot
 
@@ -396,8 +387,10 @@ class SkipToIter(Callback):
                 ): self.start_epoch,self.start_iter,self.rp,self.epoch_rng = epoch,iter,None,None
 
     def before_fit(self):
+        check_len(self.dls.train)
         self.rp = rp = self.learn.__dict__.pop('_resume', None)
         if rp is not None:
+            check_resumable(self.dls.train)
             if rp['check']: check_setup(rp['setup'], run_setup(self.learn, self.n_epoch), rp['file'])
             if rp.get('strict_hypers') is not None: _check_plan(rp.get('plan'), fit_plan(self.learn), rp['file'], rp['strict_hypers'])
             self.start_epoch,self.start_iter = rp['epoch'],rp['iter']
@@ -420,7 +413,7 @@ class SkipToIter(Callback):
 
     def before_train(self):
         if self.epoch != self.start_epoch or not self.start_iter: return self._keep_epoch_rng()
-        ff,rp,self.n_iter_train = _fast_forwarder(self.dl),self.rp,len(self.dl)
+        kind,rp,self.n_iter_train = loader_kind(self.dl),self.rp,len(self.dl)
         self.learn.pct_train = rp['pct_train'] if rp else self._replayed_pct()
         if rp is None: self._keep_epoch_rng()
         else:
@@ -428,7 +421,12 @@ class SkipToIter(Callback):
             set_dl_rng_state(self.dls.train, self.epoch_rng['dl'])
             restore_state(self.dls.train, self.epoch_rng.get('dl_state'))
             _restore_streams(self.learn, rp, dls=False, fresh=rp['fresh'])
-        self.learn.dl = ff(self.dl, self.start_iter, _epoch_start(self.epoch_rng, rp['rng']) if rp else None)  # `epoch_rng` as the callbacks left it
+        saved = (rp or {}).get('loader') or {}  # read after the callbacks' states: `DDPTrainer` gives each rank its own
+        if rp is not None and saved.get('kind', kind) != kind:
+            raise CheckpointError(f"{rp['file']} was written with a training DataLoader that resumes inside an epoch by {saved['kind']!r}; "
+                                  f"this one ({type(self.dl).__name__}) resumes by {kind!r}: use the same kind of DataLoader, or resume from an epoch's end")
+        start = _epoch_start(self.epoch_rng, rp['rng']) if rp else None  # `epoch_rng` as the callbacks left it
+        self.learn.dl = _fast_forward(self.dl, self.start_iter, kind, start, saved.get('position'))
         self.start_iter = 0
 
     def after_fit(self): self.learn.__dict__.pop('_start_epoch', None)

@@ -326,12 +326,13 @@ register_state('fastai.text.models.awdlstm.AWD_LSTM', _rnn_hidden, _set_rnn_hidd
 
 # %% ../nbs/00_state.ipynb #4cb168c6
 def dl_states(learn)->list:
-    "The state of each of `learn`'s DataLoaders (`None` for one that keeps none)"
-    return [state_of(dl) for dl in learn.dls.loaders]
+    "The registered state of each of `learn`'s DataLoaders (`None` for one that keeps none; a loader's own `state_dict` is its position in an epoch: see `loaders`)"
+    return [state_of(dl, own=False) for dl in learn.dls.loaders]
 
 def load_dl_states(learn, sds:list):
     "Give `learn`'s DataLoaders the states `dl_states` gave"
-    for dl,sd in zip(learn.dls.loaders, sds): restore_state(dl, sd)
+    for dl,sd in zip(learn.dls.loaders, sds):
+        if has_state(dl, own=False): restore_state(dl, sd, own=False)  # a loader's own `state_dict` (which resume points of 0.2.0 kept here) is its position: see `loaders`
 
 def module_states(model)->dict:
     "The registered state of each module of `model` that keeps one (a recurrent model's hidden state), by the module's name"

@@ -15,6 +15,9 @@ p.add_argument('--kill-rank', type=int, default=-1)    # SIGKILL this rank ...
 p.add_argument('--kill-at', type=int, default=-1)      # ... after this training batch (train_iter)
 p.add_argument('--hang-rank', type=int, default=-1)    # SIGSTOP this rank (it hangs, it does not die) ...
 p.add_argument('--hang-at', type=int, default=-1)      # ... after this training batch (train_iter)
+p.add_argument('--torch-dl', action='store_true')     # the training data in a PyTorch DataLoader over a map-style dataset (refused)
+p.add_argument('--stream', action='store_true')       # the training data a stream of this rank's items, which keeps its position
+p.add_argument('--elastic', action='store_true')      # AutoResume(elastic=True)
 p.add_argument('--stop-rank0-at', type=int, default=-1)  # rank 0 alone raises CancelFitException at the end of this epoch
 p.add_argument('--sleep', type=float, default=0.)      # seconds per training batch
 p.add_argument('--mark-at', type=int, default=-1)      # rank 0 writes OUT/marker after this training batch
@@ -48,6 +51,25 @@ def _start_audit():
     os.replace = lambda a, b, *x, **k: (writes.append(str(b)), _replace(a, b, *x, **k))[1]
     torch.save = lambda obj, f, *x, **k: (writes.append(str(f)) if isinstance(f, (str, Path)) else None, _save(obj, f, *x, **k))[1]
 
+class RankStream(torch.utils.data.IterableDataset):
+    "This rank's part of a stream over `ds`: items rank, rank+world, ... (as many on every rank); it keeps its position, the index of its next item, which differs by rank"
+    def __init__(self, ds, rank, world): self.ds,self.rank,self.world,self.i,self.n = ds,rank,world,rank,len(ds)//world*world
+    def __len__(self): return self.n//self.world
+    def __iter__(self):
+        while self.i < self.n:
+            self.i += self.world
+            yield self.ds[self.i - self.world]
+        self.i = self.rank
+    def state_dict(self): return {'i': self.i}
+    def load_state_dict(self, sd): self.i = sd['i']
+
+def train_data(dls):
+    "`dls` with the training data as `--torch-dl` or `--stream` ask"
+    ds,world = dls.train.dataset,int(os.environ.get('WORLD_SIZE', 1))
+    if args.torch_dl: return DataLoaders(torch.utils.data.DataLoader(ds, batch_size=15), dls.valid)
+    if args.stream: return DataLoaders(torch.utils.data.DataLoader(RankStream(ds, rank, world), batch_size=15), dls.valid)
+    return dls
+
 class Test(Callback):
     order = 96
     def after_batch(self):
@@ -71,7 +93,8 @@ if args.workers:
                                  num_workers=args.workers)
 model = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
 torch.manual_seed(1000 + rank)   # each rank its own random streams (dropout), which a resume must give back to each
-cbs = [trainer, Test(), CSVLogger(), SaveModelCallback(every_epoch=True)] + ([AutoResume(every_iter=args.every)] if args.every else [])
+cbs = [trainer, Test(), CSVLogger(), SaveModelCallback(every_epoch=True)] + ([AutoResume(every_iter=args.every, elastic=args.elastic)] if args.every else [])
+dls = train_data(dls)
 learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=[mae, rmse], cbs=cbs, path=out/'run')
 if args.fp16: learn.to_fp16()
 _start_audit()

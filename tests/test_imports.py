@@ -10,7 +10,7 @@ from fastai.callback.core import defaults
 before = [c.__name__ for c in defaults.callbacks]
 import resumable_train, resumable_train.all
 after = [c.__name__ for c in defaults.callbacks]
-imported = sorted(m for m in ('fastai.callback.progress', 'fastai.callback.schedule', 'fastai.callback.tracker') if m in sys.modules)
+imported = sorted(m for m in ('fastai.callback.progress', 'fastai.callback.schedule', 'fastai.callback.tracker', 'torchdata', 'datasets') if m in sys.modules)
 from fastai.learner import Learner
 import fastai.callback.schedule  # the user's own import: fastai's default callbacks as without the package, and fit_one_cycle wrapped
 stock = [c.__name__ for c in defaults.callbacks]
@@ -18,7 +18,7 @@ print(json.dumps(dict(before=before, after=after, imported=imported, stock=stock
 '''
 
 def test_import_changes_nothing():
-    "No fastai callback module imported, `defaults.callbacks` unchanged; fastai's schedules still get `start_epoch`/`start_iter` once imported"
+    "No fastai callback module imported (nor torchdata or datasets: only a user's loader brings them), `defaults.callbacks` unchanged; fastai's schedules still get `start_epoch`/`start_iter` once imported"
     res = run([PY, '-c', CHECK], timeout=120)
     check_rc(res, 'import check')
     got = json.loads(res[1].strip().splitlines()[-1])

@@ -1,0 +1,76 @@
+"10. Resuming a stream at batch k: from its state, by replay, by iterating and discarding, and with torchdata's own resume"
+import logging, random, time, warnings
+import torch
+from torch.utils.data import DataLoader as TorchDL, IterableDataset
+from resumable_train.loaders import Resumed, loader_position
+from common import *
+
+class Stream(IterableDataset):
+    "`n` items of `n_in` floats, each made when read (as if decoded); with `stateful`, it keeps its position (`state_dict`)"
+    def __init__(self, n, n_in=64, stateful=False): self.n,self.n_in,self.stateful,self.pos = n,n_in,stateful,0
+    def __len__(self): return self.n
+    def __iter__(self):
+        while self.pos < self.n:
+            self.pos += 1
+            yield torch.full((self.n_in,), float(self.pos))
+        self.pos = 0
+
+class Counted(Stream):
+    def state_dict(self): return {'pos': self.pos}
+    def load_state_dict(self, sd): self.pos = sd['pos']
+
+def _position(mk, k):
+    "The position of a loader from `mk` after `k` batches, as a resume point keeps it"
+    dl = mk(); it = iter(dl)
+    for _ in range(k): next(it)
+    return dl, it
+
+def _first(make)->float:
+    "Seconds to make an iterable with `make` and get its first batch"
+    t = time.perf_counter()
+    next(iter(make()))
+    return time.perf_counter() - t
+
+def _variants(k, bs, n):
+    "The ways to start a stream of `n` items at batch `k`: each a function that makes an iterable whose first batch is batch `k`"
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    state = loader_position(_position(lambda: TorchDL(Counted(n), batch_size=bs), k)[0], 'dataset')
+    sdl = lambda ds: StatefulDataLoader(ds, batch_size=bs)
+    sd_state,sd_plain = _position(lambda: sdl(Counted(n)), k)[0].state_dict(),_position(lambda: sdl(Stream(n)), k)[0].state_dict()
+    def discard():
+        it = iter(TorchDL(Stream(n), batch_size=bs))
+        for _ in range(k): next(it)
+        return it
+    def torchdata(ds, sd):
+        dl = sdl(ds); dl.load_state_dict(sd); return dl
+    return {'state': lambda: Resumed(TorchDL(Counted(n), batch_size=bs), k, 'dataset', state),
+            'replay': lambda: Resumed(TorchDL(Stream(n), batch_size=bs), k, 'replay'),
+            'discard': discard,
+            'torchdata state': lambda: torchdata(Counted(n), sd_state),
+            'torchdata replay': lambda: torchdata(Stream(n), sd_plain)}
+
+def run(quick=False, reps=None, **kwargs):
+    ks = (0, 10, 100) if quick else (0, 100, 1000, 10_000)
+    reps,bs = reps or (1 if quick else 3),32
+    n = (max(ks)+2)*bs
+    times = {}
+    warnings.filterwarnings('ignore', message='Replaying')
+    warnings.filterwarnings('ignore', message="'set_vital' is deprecated")  # torchdata 0.11 on torch 2.9+
+    logging.getLogger('torchdata').setLevel(logging.ERROR)  # torchdata warns of its own replay
+    for r in range(reps):
+        for k in ks:
+            vs = _variants(k, bs, n)
+            names = list(vs); random.Random(f'{r}{k}').shuffle(names)
+            for v in names: times.setdefault((k, v), []).append(_first(vs[v]))
+    t = Table('streams', '10. Streams: time to the first batch when resuming at batch k of an epoch',
+              ['k', 'state ms', 'replay ms', 'replay / state', 'iterate-and-discard ms', 'discard / replay', 'torchdata state ms', 'torchdata replay ms'],
+              [f"a stream of {n:,} items of 64 floats, made when read; {bs} items a batch; no workers; median of {reps} runs, variants interleaved",
+               "state: the dataset's own `state_dict` (`loader_kind` 'dataset'); replay: `AutoResume(replay=True)`, the items before batch k read but "
+               "not collated; iterate-and-discard: the first k batches loaded and collated (timed with the rest); torchdata: its `StatefulDataLoader` "
+               "resumed from its `state_dict`, over the stateful stream, and over the plain stream (which it fast-forwards by loading k batches)"])
+    for k in ks:
+        m = {v: med(times[(k, v)]) for v in ('state', 'replay', 'discard', 'torchdata state', 'torchdata replay')}
+        t.add(k, ms(m['state']), ms(m['replay']), ratio(m['replay'], m['state']), ms(m['discard']), ratio(m['discard'], m['replay']),
+              ms(m['torchdata state']), ms(m['torchdata replay']))
+    t.raw = {f'{k}/{v}': xs for (k, v),xs in times.items()}
+    return t

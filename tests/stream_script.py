@@ -1,0 +1,123 @@
+"""Train on a stream or a stateful loader with `AutoResume(every_iter=3)`, for `killrerun` (issue 19).
+
+`python stream_script.py OUT SOURCE [--no-replay]`, run in the run's folder: SOURCE is one of `SOURCES`.
+"""
+import argparse, random, warnings
+import numpy as np
+from pathlib import Path
+import torch
+from torch import nn
+from torch.utils.data import DataLoader as TorchDL, Dataset, IterableDataset, get_worker_info
+from fastai.basics import *
+from fastai.callback.all import *
+from resumable_train.autoresume import AutoResume
+from killrerun import Report, save_result
+warnings.filterwarnings('ignore', message="'set_vital' is deprecated")
+
+N,BS = 48,8  # items a training epoch, batch size: 6 batches an epoch
+
+def _xy(i): x = (i % N)/N*2 - 1; return torch.tensor([x]), torch.tensor([2*x + 0.3])
+
+class Points(Dataset):
+    "A map-style dataset of `n` points on a line"
+    def __init__(self, n): self.n = n
+    def __len__(self): return self.n
+    def __getitem__(self, i): return _xy(i)
+
+class Noisy(Points):
+    "Points with noise drawn from python's, numpy's and torch's streams when an item is loaded (in a DataLoader worker)"
+    def __getitem__(self, i):
+        x,y = _xy(i)
+        return x + 0.1*random.random() + 0.1*float(np.random.rand()) + 0.1*torch.rand(1), y
+
+class Counter(IterableDataset):
+    "A stream of `n` points that keeps its position (`state_dict`), shared among DataLoader workers by striding"
+    def __init__(self, n): self.n,self.pos,self.loaded = n,0,None
+    def __len__(self): return self.n
+    def __iter__(self):
+        w = get_worker_info()
+        k,m = (w.id,w.num_workers) if w else (0,1)
+        self.pos,self.loaded = self.loaded or 0,None  # an iteration starts at the beginning, or where a loaded state says
+        while (i := k + self.pos*m) < self.n:
+            self.pos += 1
+            yield _xy(i)
+    def state_dict(self): return {'pos': self.pos}
+    def load_state_dict(self, sd): self.loaded = sd['pos']
+
+class Generated(IterableDataset):
+    "A generator stream, with no position of its own: its order is drawn from torch's stream when it starts"
+    def __init__(self, n): self.n = n
+    def __len__(self): return self.n
+    def __iter__(self):
+        for i in torch.randperm(self.n).tolist(): yield _xy(i)
+
+class Sized(IterableDataset):
+    "A Hugging Face IterableDataset with the length fastai needs; its position (`state_dict`) and epoch passed through"
+    def __init__(self, ds, n): self.ds,self.n = ds,n
+    def __len__(self): return self.n
+    def __iter__(self): return ((torch.tensor([ex['x']]), torch.tensor([ex['y']])) for ex in self.ds)
+    def state_dict(self): return self.ds.state_dict()
+    def load_state_dict(self, sd): self.ds.load_state_dict(sd)
+    def set_epoch(self, e): self.ds.set_epoch(e)
+
+class SetEpoch(Callback):
+    "Tell the training dataset the epoch (Hugging Face reshuffles by it)"
+    def before_train(self): self.dls.train.dataset.set_epoch(self.epoch)
+
+def _hf(shuffle):
+    from datasets import Dataset as HFDataset
+    xs = [i/N*2-1 for i in range(N)]
+    ds = HFDataset.from_dict({'x': xs, 'y': [2*x+0.3 for x in xs]}).to_iterable_dataset(num_shards=4)
+    return Sized(ds.shuffle(seed=3, buffer_size=16) if shuffle else ds, N)
+
+def _valid(): return TorchDL(Points(16), batch_size=BS)
+
+def sdl_map(a):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    return DataLoaders(StatefulDataLoader(Points(N), batch_size=BS, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(5)),
+                       StatefulDataLoader(Points(16), batch_size=BS, num_workers=2)), []
+
+def sdl_noisy(a):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    return DataLoaders(StatefulDataLoader(Noisy(N), batch_size=BS, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(5)),
+                       StatefulDataLoader(Points(16), batch_size=BS, num_workers=2)), []
+
+def sdl_iter(a):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    return DataLoaders(StatefulDataLoader(Counter(N), batch_size=BS, num_workers=2), _valid()), []
+
+def hf_state(a):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    return DataLoaders(StatefulDataLoader(_hf(False), batch_size=BS, num_workers=2), _valid()), [SetEpoch()]
+
+def hf_replay(a): return DataLoaders(TorchDL(_hf(True), batch_size=BS), _valid()), [SetEpoch()]
+
+def gen(a): return DataLoaders(TorchDL(Generated(N), batch_size=BS), _valid()), []
+
+def fastai_state(a):
+    from fastai.data.load import DataLoader
+    return DataLoaders(DataLoader(Counter(N), bs=BS), _valid()), []
+
+def fastai_gen(a):
+    from fastai.data.load import DataLoader
+    return DataLoaders(DataLoader(Generated(N), bs=BS), _valid()), []
+
+def persistent(a): return DataLoaders(TorchDL(Points(N), batch_size=BS, shuffle=True, num_workers=2, persistent_workers=True), _valid()), []
+
+SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, gen=gen, fastai_state=fastai_state, fastai_gen=fastai_gen, persistent=persistent)
+REPLAY = ('hf_replay', 'gen', 'fastai_gen')  # resumed by replaying the stream (`AutoResume(replay=True)`)
+
+if __name__ == '__main__':
+    p = argparse.ArgumentParser()
+    p.add_argument('out')
+    p.add_argument('source', choices=list(SOURCES))
+    p.add_argument('--no-replay', action='store_true', help='without the replay opt-in')
+    a = p.parse_args()
+    set_seed(11, reproducible=True)
+    dls,cbs = SOURCES[a.source](a)
+    model = nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=mae, path=Path('.').absolute(), cbs=cbs)
+    learn.add_cbs([Report(), AutoResume(every_iter=3, verbose=True, replay=a.source in REPLAY and not a.no_replay)])
+    with learn.no_bar(): learn.fit_one_cycle(3, 1e-2)
+    save_result(learn, a.out)
+    print('DONE', flush=True)
