@@ -241,6 +241,9 @@ def _load_end(self:AutoResume, file, plan, i):
     self.ends = list(rec.get('ends', [])[:i]) + [_name(file)]  # records of 0.1.0 have no ledger
     return rec
 
+_MORE = ("; to train on from where it ended, keep this fit call as it was and add another fit call after it (the finished "
+         "one is loaded, not trained again)")
+
 @patch
 def _decide(self:AutoResume, plan):
     "Skip, resume or start this fit call, from the newest valid resume point of the run (see above)"
@@ -259,6 +262,7 @@ def _decide(self:AutoResume, plan):
     diff = [] if i >= len(fits) else setup_diff(fits[i], now, skip=_WORLD_KEYS if self.elastic else ())
     if diff:
         other = '; it ran on another number of processes: AutoResume(elastic=True) continues it on this one' if any(d.startswith('world_size:') for d in diff) else ''
+        if _finished(rec, i) and any(d.startswith('n_epoch:') for d in diff): other += _MORE
         raise _different_run(self.folder, self.fname, '; '.join(f"fit call {i+1} {d}" for d in diff) + other)
     if _finished(rec, i):
         name = _name(file) if f == i else ends[i] if i < len(ends) else None

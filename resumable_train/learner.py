@@ -19,6 +19,7 @@ from fastcore.xtras import join_path_file
 from .files import *
 from .state import *
 from .loaders import *
+from .errors import short_refusals
 from .files import _stock_safe, _log_ref
 from .store import LocalStore, is_url, locate
 from .state import _qualname, _logged_histories
@@ -26,6 +27,9 @@ from .state import _qualname, _logged_histories
 # %% auto #0
 __all__ = ['fastai_changes', 'check_fastai', 'SeedBatches', 'resume_point', 'fit_plan', 'SkipToIter', 'checkpoint',
            'share_checkpoint']
+
+# %% ../nbs/01_learner.ipynb #a2e9e858
+short_refusals()  # a refusal or a stop that ends a script shows its message, not a traceback (see `00c_errors`)
 
 # %% ../nbs/01_learner.ipynb #b586a816
 _TESTED_FASTAI = '2.8.8 to 2.8.12'

@@ -246,10 +246,16 @@ class _Lease:
                                expires=time.time() + self.lease)).encode()
 
     def _renew(self):
+        failing = False  # warn once for a run of failed renewals
         while not self.stop.wait(self.lease/3):
-            try: self.etag = _etag(self.store.fs.pipe_file(self.key, self.doc(), IfMatch=self.etag))
-            except Exception as e: warnings.warn(f"Could not renew the lock on {self.store.url} ({type(e).__name__}: {e}); another "
-                                                 f"machine may take the run over once its lease of {self.lease:g} s runs out")
+            try: self.etag,failing = _etag(self.store.fs.pipe_file(self.key, self.doc(), IfMatch=self.etag)),False
+            except (FileNotFoundError, OSError) as e:
+                if isinstance(e, FileNotFoundError) or e.errno == errno.EINVAL:  # removed, or rewritten by another process (If-Match)
+                    warnings.warn(f"Lost the lock on {self.store.url}: another process took the run over, or removed its lock; both may now write there")
+                    return
+                if not failing: warnings.warn(f"Could not renew the lock on {self.store.url} ({type(e).__name__}: {e}); another machine "
+                                              f"may take the run over if this lasts past its lease of {self.lease:g} s")
+                failing = True
 
     def release(self):
         "Stop renewing, and remove the lock if it is still this process's"

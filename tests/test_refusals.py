@@ -1,0 +1,36 @@
+"""What a user sees when the package refuses or stops a script: its message and the fix in a few lines, no traceback through fastai;
+`RESUMABLE_TRAIN_DEBUG=1` brings the traceback back. Real `python` processes: the forked children of other tests print their own."""
+import os, signal, time
+from helpers import PY, TESTS, start, finish, run
+
+SCRIPT = str(TESTS/'refusal_script.py')
+
+def short(err:str)->list:
+    "The lines of `err` that are not Python's own warnings"
+    return [l for l in err.splitlines() if l.strip() and 'Warning' not in l and not l.startswith('  warnings.warn')]
+
+def test_refusal_is_its_message(tmp_path):
+    "A finished run asked for more epochs: refused in a few lines that say how to go on, exit 1"
+    rc,out,err = run([PY, SCRIPT, tmp_path, '1'], timeout=120)
+    assert rc == 0 and 'DONE' in out, err[-3000:]
+    rc,out,err = run([PY, SCRIPT, tmp_path, '2'], timeout=120)
+    lines = short(err)
+    assert rc == 1 and 'BATCH' not in out, (rc, out[-2000:], err[-3000:])
+    assert len(lines) <= 3 and 'Traceback' not in err and 'Exception occured' not in err, err[-3000:]
+    assert 'holds resume points of a different run (fit call 1 n_epoch: saved 1, now 2' in lines[0], lines
+    assert 'add another fit call after it' in lines[0] and 'RESUMABLE_TRAIN_DEBUG=1' in lines[-1], lines
+    rc,out,err = run([PY, SCRIPT, tmp_path, '2'], timeout=120, env={'RESUMABLE_TRAIN_DEBUG': '1'})
+    assert rc == 1 and 'Traceback' in err and 'holds resume points of a different run' in err, err[-3000:]
+
+def test_ctrl_c_is_its_message(tmp_path):
+    "Ctrl-C: the stop's message, no traceback, the exit status of Ctrl-C"
+    p = start([PY, SCRIPT, tmp_path, '3'])
+    deadline = time.monotonic() + 120
+    for line in p.stdout:
+        if line.startswith('BATCH 3') or time.monotonic() > deadline: break
+    os.kill(p.pid, signal.SIGINT)
+    rc,out,err = finish(p, 60)
+    lines = short(err)
+    assert rc == -signal.SIGINT, (rc, err[-3000:])
+    assert 'Traceback' not in err and len(lines) <= 3, err[-3000:]
+    assert lines[0].startswith('AutoResume: stopped by Ctrl-C') and 'resume point saved' in lines[0], lines
