@@ -84,9 +84,9 @@ def test_kills_one_cycle(refs, tmp_path):
     assert list(models.glob('.autoresume-*.tmp')), "the interrupted write leaves only a temporary file"
     newest = sorted(models.glob('autoresume-*.pth'))[-1]
     newest.write_bytes(newest.read_bytes()[:1000])
-    rc,lines,secs = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[2] == '2', signal.SIGTERM, '--sleep', '0.05')
+    rc,lines,_ = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[2] == '2', signal.SIGTERM, '--sleep', '0.05')
     text = ''.join(lines)
-    assert rc == 128 + signal.SIGTERM and secs < 10, (rc, secs, text[-2000:])
+    assert rc == 128 + signal.SIGTERM, (rc, text[-2000:])   # how long it takes is measured in benchmarks/sigterm.py
     assert f'{newest} is truncated' in text, "the rerun names the damaged file it passed over"
     stop = [l for l in lines if l.startswith('AutoResume: stopped by SIGTERM')][0]
     m = re.search(r'at epoch (\d+)/4, batch (\d+)/6;', stop) or re.search(r'at end of epoch (\d+)/4;()', stop)
