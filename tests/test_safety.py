@@ -265,16 +265,21 @@ def test_missing_ledger_end_refused(forker, tmp_path):
     assert f'fit call 1 finished in an earlier run, but its end state cannot be loaded: models/{end0.name} does not exist' in t, t[-2000:]
     assert 'To start fresh, delete models/autoresume-*.pth' in t
 
+def refused_rerun(forker, run, out, *args)->str:
+    "Kill the script after 5 batches, then run it again with `args`: refused before any batch; returns its output"
+    run.mkdir()
+    rc,_ = run_until(forker, SCRIPT, [out], stop_after=5, cwd=run)
+    assert rc == -signal.SIGKILL
+    rc,lines = run_until(forker, SCRIPT, [out, *args], cwd=run)
+    t = text(lines)
+    assert rc != 0 and batches(lines) == [], t[-2000:]
+    return t
+
 @pytest.mark.parametrize('cb,key', [('early', 'early_stopping'), ('csv', 'csv_logger')])
 def test_callback_added_in_rerun(forker, refs, tmp_path, cb, key):
     "A callback with state added only in the rerun is refused before any batch, naming it and how to accept it; accepted, the run goes on"
     run,out = tmp_path/'run',tmp_path/'out.pth'
-    run.mkdir()
-    rc,_ = run_until(forker, SCRIPT, [out], stop_after=5, cwd=run)
-    assert rc == -signal.SIGKILL
-    rc,lines = run_until(forker, SCRIPT, [out, '--add-cb', cb], cwd=run)
-    t = text(lines)
-    assert rc != 0 and batches(lines) == [], t[-2000:]
+    t = refused_rerun(forker, run, out, '--add-cb', cb)
     assert f"This Learner has callbacks with a state that the resume point does not hold: ['{key}']" in t, t[-2000:]
     assert f"accept them with fresh_callbacks=['{key}']" in t, t[-2000:]
     lines = run_to_end(forker, SCRIPT, [out, '--add-cb', cb, '--fresh', key], cwd=run)
@@ -285,10 +290,5 @@ def test_callback_added_in_rerun(forker, refs, tmp_path, cb, key):
 def test_model_changed_in_rerun(forker, refs, tmp_path, args, diff):
     "A model with the same parameter shapes but another activation or dropout is another run: refused, naming the module that differs"
     run,out = tmp_path/'run',tmp_path/'out.pth'
-    run.mkdir()
-    rc,_ = run_until(forker, SCRIPT, [out], stop_after=5, cwd=run)
-    assert rc == -signal.SIGKILL
-    rc,lines = run_until(forker, SCRIPT, [out, *args], cwd=run)
-    t = text(lines)
-    assert rc != 0 and batches(lines) == [], t[-2000:]
+    t = refused_rerun(forker, run, out, *args)
     assert f'holds resume points of a different run (fit call 1 {diff})' in t and 'To start fresh, delete models/autoresume-*.pth' in t, t[-2000:]
