@@ -172,7 +172,7 @@ def test_torch_dataloader_refused(forker, tmp_path):
     assert not list((tmp_path/'run').rglob('*.pth')), 'a resume point was written'
 
 def test_stream_kill_relaunch(forker, tmp_path):
-    "A stream that keeps its position, under 2 ranks: one rank killed inside an epoch, relaunched, ends as the uninterrupted run (each rank's position restored); another world size is refused with the reason"
+    "A stream that keeps its position, under 2 ranks: killed inside an epoch twice (rank 1, then rank 0), relaunched, ends as the uninterrupted run (each rank's position restored); another world size is refused with the reason"
     ref = tmp_path/'ref'
     ranks(forker, ref, '--stream', '--every', '3')
     ps = start_ranks(forker, tmp_path, '--stream', '--every', '3', '--kill-rank', '1', '--kill-at', '7')  # the newest resume point: epoch 2, batch 2 of 4
@@ -180,6 +180,10 @@ def test_stream_kill_relaunch(forker, tmp_path):
     assert res[1][0] == -signal.SIGKILL and res[0][0] != 0, why(res)
     rc,o = forker.run(SCRIPT, tmp_path, '--stream', '--every', '3', '--elastic', timeout=60)
     assert rc != 0 and 'whose training data is a stream (DataLoader)' in o and 'Relaunch with 2 process(es)' in o, o[-3000:]
-    res = ranks(forker, tmp_path, '--stream', '--every', '3')
+    ps = start_ranks(forker, tmp_path, '--stream', '--every', '3', '--kill-rank', '0', '--kill-at', '10')  # a second kill, of rank 0
+    res = wait_ranks(ps, 60)
+    assert res[0][0] == -signal.SIGKILL and res[1][0] != 0, why(res)
     assert 'AutoResume: continuing from' in res[0][1] and '(epoch 2/3, batch 2/4)' in res[0][1], why(res)
+    res = ranks(forker, tmp_path, '--stream', '--every', '3')
+    assert 'AutoResume: continuing from' in res[0][1] and '(epoch 3/3, batch 1/4)' in res[0][1], why(res)
     assert_same_run(results(ref), results(tmp_path))
