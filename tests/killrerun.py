@@ -34,19 +34,22 @@ def batches(lines)->list:
     "The `(fit, epoch, iter)` of every batch a run trained"
     return [tuple(map(int, l.split()[1:4])) for l in lines if l.startswith('BATCH ')]
 
-def run_until(forker, script, args, stop_after=None, sig=signal.SIGKILL, timeout=120, env=None, cwd=None):
-    "Run `script`; after its `stop_after`-th trained batch send `sig` (never if `None`); return `(returncode, lines)`"
+def run_until(forker, script, args, stop_after=None, sig=signal.SIGKILL, timeout=120, env=None, cwd=None, until=None, then=None):
+    """Run `script`; after its `stop_after`-th trained batch, or at the first line that `until(line)` holds for, send `sig` (never if
+    `None`) or call `then()`; return `(returncode, lines)`"""
     env = dict(env or {}, **({'KILLRERUN_SLEEP': '0.05'} if stop_after else {}))
-    p,lines,n = forker.start(script, *args, env=env, cwd=cwd),[],0
+    p,lines,n,sent = forker.start(script, *args, env=env, cwd=cwd),[],0,False
     deadline = time.monotonic() + timeout
     try:
         for line in p.stdout:
             lines.append(line)
-            if stop_after and line.startswith('BATCH '):
-                n += 1
-                if n == stop_after:
-                    if sig == signal.SIGKILL: p.kill_group()
-                    else: p.send_signal(sig)
+            n += line.startswith('BATCH ')
+            due = (stop_after and line.startswith('BATCH ') and n == stop_after) or (until is not None and until(line))
+            if due and not sent:
+                sent = True
+                if then is not None: then()
+                elif sig == signal.SIGKILL: p.kill_group()
+                elif sig is not None: p.send_signal(sig)
             if time.monotonic() > deadline: raise subprocess.TimeoutExpired(script, timeout)
         p.wait(max(1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:

@@ -1,8 +1,9 @@
 "Kill a training script that uses AutoResume (SIGKILL, SIGTERM, during a write), rerun it: it ends bitwise where an uninterrupted run ends."
-import os, queue, random, re, signal, sys, threading, time
+import random, re, signal
 from pathlib import Path
 import pytest, torch
-from helpers import TESTS, kill_group, diff_values
+import killrerun as kr
+from helpers import TESTS, diff_values
 
 SCRIPT = str(TESTS/'autoresume_script.py')
 
@@ -13,39 +14,13 @@ def _forker(forker):
     global FORKER
     FORKER = forker
 
-def launch(d, out, *args):
-    "Start the script in a forked child; return the process and a queue of its output lines"
-    p = FORKER.start(SCRIPT, '--dir', str(d), '--out', str(out), *args)
-    q = queue.Queue()
-    def pump():
-        for line in p.stdout: q.put(line)
-        q.put(None)
-    threading.Thread(target=pump, daemon=True).start()
-    return p, q
-
 def run_until(d, out, pred, sig, *args, timeout=90):
-    "Run the script until an output line satisfies `pred`, then send `sig` (none if `sig` is None); return (rc, lines, seconds from signal to exit)"
-    p,q = launch(d, out, *args)
-    lines,deadline,sent = [],time.time()+timeout,None
-    try:
-        while True:
-            line = q.get(timeout=max(0.1, deadline-time.time()))
-            if line is None: break
-            lines.append(line)
-            if sent is None and sig is not None and pred(line):
-                sent = time.time()
-                if sig == signal.SIGKILL: kill_group(p)
-                else: p.send_signal(sig)
-        p.wait(timeout=max(1, deadline-time.time()))
-    except (queue.Empty, Exception) as e:
-        kill_group(p)
-        raise AssertionError(f"script did not finish in {timeout}s: {e!r}\n{''.join(lines[-40:])}")
-    finally: kill_group(p)
-    return p.returncode, lines, (time.time()-sent) if sent else None
+    "Run the script in folder `d` until an output line satisfies `pred`, then send `sig` (none if `None`); return (rc, lines)"
+    return kr.run_until(FORKER, SCRIPT, ['--dir', d, '--out', out, *args], sig=sig, until=pred, timeout=timeout)
 
 def run_to_end(d, out, *args):
     "Run the script to its end; return its output lines"
-    rc,lines,_ = run_until(d, out, None, None, *args)
+    rc,lines = run_until(d, out, None, None, *args)
     assert rc == 0, f"rc={rc}\n{''.join(lines[-40:])}"
     return lines
 
@@ -76,15 +51,15 @@ def test_kills_one_cycle(refs, tmp_path):
     "SIGKILL at a random batch, SIGKILL during a checkpoint write, a truncated newest file, SIGTERM, rerun, rerun after the end"
     d,out,rng = tmp_path/'run',tmp_path/'out.pth',random.Random(0)
     k1 = rng.randrange(2, 10)
-    rc,lines,_ = run_until(d, out, lambda l: l.startswith('BATCH') and int(l.split()[3]) + 6*int(l.split()[2]) >= k1, signal.SIGKILL, '--sleep', '0.05')
+    rc,lines = run_until(d, out, lambda l: l.startswith('BATCH') and int(l.split()[3]) + 6*int(l.split()[2]) >= k1, signal.SIGKILL, '--sleep', '0.05')
     assert rc == -signal.SIGKILL
-    rc,lines,_ = run_until(d, out, lambda l: l.startswith('WRITING'), signal.SIGKILL, '--slow-write', '5')
+    rc,lines = run_until(d, out, lambda l: l.startswith('WRITING'), signal.SIGKILL, '--slow-write', '5')
     assert rc == -signal.SIGKILL and any(l.startswith('AutoResume: continuing') for l in lines)
     models = d/'models'
     assert list(models.glob('.autoresume-*.tmp')), "the interrupted write leaves only a temporary file"
     newest = sorted(models.glob('autoresume-*.pth'))[-1]
     newest.write_bytes(newest.read_bytes()[:1000])
-    rc,lines,_ = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[2] == '2', signal.SIGTERM, '--sleep', '0.05')
+    rc,lines = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[2] == '2', signal.SIGTERM, '--sleep', '0.05')
     text = ''.join(lines)
     assert rc == 128 + signal.SIGTERM, (rc, text[-2000:])   # how long it takes is measured in benchmarks/sigterm.py
     assert f'{newest} is truncated' in text, "the rerun names the damaged file it passed over"
@@ -104,7 +79,7 @@ def test_fine_tune_background(refs, tmp_path):
     "fine_tune killed in each stage, writing in the background: the rerun resumes in the right fit call"
     d,out = tmp_path/'run',tmp_path/'out.pth'
     for fit in ('0', '1'):
-        rc,lines,_ = run_until(d, out, lambda l, f=fit: l.startswith('BATCH') and l.split()[1] == f and l.split()[3] == '4',
+        rc,lines = run_until(d, out, lambda l, f=fit: l.startswith('BATCH') and l.split()[1] == f and l.split()[3] == '4',
                                signal.SIGKILL, '--sched', 'fine_tune', '--background', '--sleep', '0.05')
         assert rc == -signal.SIGKILL
     lines = run_to_end(d, out, '--sched', 'fine_tune', '--background')
@@ -114,7 +89,7 @@ def test_fine_tune_background(refs, tmp_path):
 def test_two_fits(refs, tmp_path):
     "A script with two fit_one_cycle calls, killed in the second"
     d,out = tmp_path/'run',tmp_path/'out.pth'
-    rc,_,_ = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, '--sched', 'two', '--sleep', '0.05')
+    rc,_ = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, '--sched', 'two', '--sleep', '0.05')
     assert rc == -signal.SIGKILL
     lines = run_to_end(d, out, '--sched', 'two')
     assert {b[0] for b in batches(lines)} == {'1'}

@@ -7,7 +7,7 @@ import pytest, torch
 import s3fs  # noqa: F401 (imported once here, not in each forked run; `forker` is conftest's)
 from resumable_train.files import CheckpointError
 from resumable_train.store import FsspecStore, StoreError, MANIFEST, as_store
-from killrerun import batches, compare, kill_and_rerun, check_kill_and_rerun, run_to_end
+from killrerun import batches, compare, kill_and_rerun, check_kill_and_rerun, run_to_end, run_until
 from s3server import S3Server, TESTS
 
 @pytest.fixture(scope='module')
@@ -74,21 +74,8 @@ def ref(forker, s3, tmp_path_factory):
 
 def run(forker, args, env, until=None, sig=signal.SIGKILL, then=None, cwd=None, timeout=90):
     "Run the script; once a line satisfies `until`, send `sig` (or call `then()`); return `(returncode, output)`"
-    p,lines = forker.start(SCRIPT, *args, env=env, cwd=cwd),[]
-    deadline,sent = time.monotonic() + timeout,False
-    try:
-        for line in p.stdout:
-            lines.append(line)
-            if until and not sent and until(line):
-                sent = True
-                if then: then()
-                elif sig == signal.SIGKILL: p.kill_group()
-                else: p.send_signal(sig)
-            if time.monotonic() > deadline: raise subprocess.TimeoutExpired(SCRIPT, timeout)
-        p.wait(max(1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired: raise AssertionError(f"the script did not finish in {timeout}s:\n{''.join(lines[-40:])}")
-    finally: p.kill_group()
-    return p.returncode, ''.join(lines)
+    rc,lines = run_until(forker, SCRIPT, args, sig=sig if until else None, until=until, then=then, env=env, cwd=cwd, timeout=timeout)
+    return rc, ''.join(lines)
 
 def nth_batch(n):
     "A predicate true at the `n`-th `BATCH` line it sees"
