@@ -1,6 +1,6 @@
 """The installed `resumable-train` command: `inspect` and `ls` answer without importing fastai, with one verdict per kind of file, and
 in about the time `torch.load` alone takes (measured in `benchmarks/cli.py`, not asserted); the demo interrupted by SIGINT and rerun ends with the digest of an uninterrupted run."""
-import json, os, random, signal, subprocess, sys, textwrap, time
+import json, os, random, re, signal, subprocess, sys, textwrap, time
 from pathlib import Path
 import pytest, torch
 from helpers import PY, run, check_rc
@@ -8,7 +8,6 @@ from helpers import PY, run, check_rc
 CMD = str(Path(sys.executable).parent/'resumable-train')
 
 def digest(out):
-    import re
     m = re.search(r'weights ([0-9a-f]{12})', out)
     assert m, out[-2000:]
     return m.group(1)
@@ -21,12 +20,12 @@ def runs(tmp_path_factory, forker):
     fk = forker
     ref = fk.start(CMD, 'demo', '--dir', tmp/'ref', '--epochs', '2', '--pause', '0')
     cut = fk.start(CMD, 'demo', '--dir', tmp/'cut', '--epochs', '2')
-    first = tmp/'cut'/'models'/'autoresume-0001.pth'  # written at the end of the first epoch
-    deadline = time.monotonic() + 90
-    while not first.exists() and cut.poll() is None and time.monotonic() < deadline: time.sleep(0.05)
-    time.sleep(0.3)
+    seen,deadline = [],time.monotonic() + 90
+    for line in cut.stdout:  # the bar, drawn into the pipe too: wait until a batch of the second epoch has trained
+        seen.append(line)
+        if re.search(r'Epoch 2/2 .*\[([1-9]\d*)/\d+', line) or time.monotonic() > deadline: break
     cut.send_signal(signal.SIGINT)
-    res = dict(ref=(ref, *ref.communicate(timeout=90)[:1]), cut=(cut, *cut.communicate(timeout=60)[:1]))
+    res = dict(ref=(ref, *ref.communicate(timeout=90)[:1]), cut=(cut, ''.join(seen) + cut.communicate(timeout=60)[0]))
     newest = sorted((tmp/'cut'/'models').glob('autoresume-*.pth'))[-1]
     saved = torch.load(newest, weights_only=True)['opt']['resume']
     (tmp/'stopped.pth').write_bytes(newest.read_bytes())  # the resume point SIGINT saved, before the rerun prunes it
