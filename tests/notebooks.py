@@ -6,9 +6,10 @@ Each notebook runs as `nbdev-test` runs it (its `#| eval: false` and `tst_flags`
 patch fastai's `Learner` as they run. The processes are forked from this one, which imports nbdev's runner and the libraries under fastai
 (torch, pandas, matplotlib, ...) once, so no notebook pays for them; not fastai itself, whose import draws from python's random stream
 (a notebook that imports it draws after the seeding below). Its outputs are then normalised (see `normalise`: dates, temporary folders,
-timings, memory addresses, warnings that libraries print) and compared with the outputs kept in the notebook; a notebook whose outputs differ fails, with a diff. With
-`--update`, the new outputs are written into the notebooks instead (then run `nbdev-clean`): `bash tests/run.sh --update-outputs` does
-both, and is how the outputs are regenerated after a change. The outputs of notebooks in `NOT_CHECKED` are written by `--update` but not compared.
+timings, memory addresses, the warnings that installed libraries print) and compared with the outputs kept in the notebook; a notebook
+whose outputs differ fails, with a diff. With `--update`, the new outputs are written into the notebooks instead (then run
+`nbdev-clean`): `bash tests/run.sh --update-outputs` does both, and is how the outputs are regenerated after a change. The outputs of
+notebooks in `NOT_CHECKED` are written by `--update` but not compared.
 Progress bars are off (`fastprogress.NO_BAR`): the epoch tables stay, without the bars' timings.
 Each notebook starts with python's, numpy's and torch's random streams seeded (0), with PYTHONHASHSEED=0 and one thread per op, so that
 the numbers it prints are the same in every run on one machine. Nothing is written to disk but the notebooks, and only with `--update`.

@@ -28,7 +28,8 @@ done
 # (2.8.8's own vision does not run with this torchvision, with or without the package). The README's install command puts it beside the
 # venv's packages, not installed; the suite installs nothing, and says so when it is missing.
 low=$(python -c 'import sys; print(sys.prefix)')/fastai-2.8.8
-[ -d "$low/fastai" ] || echo "== skipped: the tests on fastai 2.8.8 ($low is missing; make it with: pip install --no-deps --target $low fastai==2.8.8)"
+[ -d "$low/fastai" ] ||
+  echo "== skipped: the tests on fastai 2.8.8 ($low is missing; make it with: pip install --no-deps --target $low fastai==2.8.8)"
 lowest() {
   [ -d "$low/fastai" ] || return 0
   echo "== the same tests on fastai $(PYTHONPATH="$low:$PYTHONPATH" python -c 'import fastai; print(fastai.__version__)')"
