@@ -504,6 +504,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                       'resumable_train/store.py'),
                                        'resumable_train.store.LocalStore.__repr__': ( 'store.html#localstore.__repr__',
                                                                                       'resumable_train/store.py'),
+                                       'resumable_train.store.LocalStore._listed': ( 'store.html#localstore._listed',
+                                                                                     'resumable_train/store.py'),
                                        'resumable_train.store.LocalStore.entry': ( 'store.html#localstore.entry',
                                                                                    'resumable_train/store.py'),
                                        'resumable_train.store.LocalStore.load': ('store.html#localstore.load', 'resumable_train/store.py'),

@@ -28,9 +28,14 @@ class LocalStore:
     def where(self, name:str)->Path: return self.folder/name
 
     def ls(self)->L:
-        "The files in the folder (not the temporary files of unfinished writes), as `Entry`s"
+        "The files in the folder (not the temporary files of unfinished writes), as `Entry`s; one removed meanwhile is left out"
         if not self.folder.is_dir(): return L()
-        return L(self.entry(p.name) for p in sorted(self.folder.iterdir()) if p.is_file() and not p.name.startswith('.'))
+        return L(e for p in sorted(self.folder.iterdir()) if not p.name.startswith('.') and (e := self._listed(p.name)))
+
+    def _listed(self, name:str)->Entry|None:
+        "The `Entry` of file `name`, or `None` if it is not a file, or was removed since the folder was read (by a run beside this one)"
+        try: return self.entry(name) if self.where(name).is_file() else None
+        except FileNotFoundError: return None
 
     def entry(self, name:str)->Entry:
         "The `Entry` of the file `name`"

@@ -1,7 +1,7 @@
 """A tiny training script for the DDPTrainer tests: run it with `torchrun --standalone --nproc_per_node=2 dist_train.py OUT ...`
 (or with plain `python`). Each rank writes OUT/rank{R}.pt with its final weights, Recorder values, a single-process validation of the
 final weights, the files it opened for writing during fit, and timings."""
-import argparse, builtins, io, os, signal, sys, time
+import argparse, os, signal, sys, time
 from pathlib import Path
 import torch
 from torch import nn
@@ -38,18 +38,23 @@ import resumable_train
 from resumable_train.autoresume import AutoResume
 from resumable_train.distributed import DDPTrainer
 
-writes = []
-def _audited(f):
-    def _g(file, *a, **k):
-        mode = a[0] if a else k.get('mode', 'r')
-        if isinstance(mode, str) and any(c in mode for c in 'wax+'): writes.append(str(file))
-        return f(file, *a, **k)
-    return _g
-_open, _replace, _save = io.open, os.replace, torch.save
-def _start_audit():
-    builtins.open, io.open = _audited(builtins.open), _audited(io.open)
-    os.replace = lambda a, b, *x, **k: (writes.append(str(b)), _replace(a, b, *x, **k))[1]
-    torch.save = lambda obj, f, *x, **k: (writes.append(str(f)) if isinstance(f, (str, Path)) else None, _save(obj, f, *x, **k))[1]
+writes,recording = [],False
+_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+def _audit(event, args):
+    "Record each path opened for writing, renamed to, linked or removed while `recording`, by any of python's file functions"
+    if not recording: return
+    if event == 'open' and not isinstance(args[0], int) and args[2] & _WRITE: writes.append(os.fsdecode(args[0]))
+    elif event in ('os.rename', 'os.link', 'os.symlink'): writes.append(os.fsdecode(args[1]))   # os.rename: os.replace's too
+    elif event in ('os.remove', 'os.truncate') and not isinstance(args[0], int): writes.append(os.fsdecode(args[0]))
+# Audit events, not replaced functions: a module that kept its own reference to `open` is seen too (python 3.10's pathlib: `Path.open`
+# calls the `io.open` it bound at import, and fastai's CSVLogger opens history.csv with it)
+sys.addaudithook(_audit)
+_save = torch.save
+def _recorded_save(obj, f, *a, **k):
+    "`torch.save`, recording `f` if it is a path: torch writes to a path from C++, which raises no audit event"
+    if recording and isinstance(f, (str, Path)): writes.append(str(f))
+    return _save(obj, f, *a, **k)
+torch.save = _recorded_save
 
 class RankStream(torch.utils.data.IterableDataset):
     "This rank's part of a stream over `ds`: items rank, rank+world, ... (as many on every rank); it keeps its position, the index of its next item, which differs by rank"
@@ -97,14 +102,15 @@ cbs = [trainer, Test(), CSVLogger(), SaveModelCallback(every_epoch=True)] + ([Au
 dls = train_data(dls)
 learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=[mae, rmse], cbs=cbs, path=out/'run')
 if args.fp16: learn.to_fp16()
-_start_audit()
+recording = True
 start = time.perf_counter()
 try: learn.fit(args.epochs, 1e-2)
 except SystemExit as e:
+    recording = False
     (out/f'exit{rank}').write_text(f'{e.code} {learn.train_iter}')   # this rank's status and batch (torchrun's status says less)
     raise
 secs = time.perf_counter() - start
-builtins.open, io.open, os.replace, torch.save = _open, _open, _replace, _save
+recording = False
 learn.remove_cbs([CSVLogger, AutoResume])   # `validate` runs their before_fit/after_fit, which would write
 res = dict(model={k: v.clone() for k, v in learn.model.state_dict().items()}, values=learn.recorder.values, train_iter=learn.train_iter,
            epochs=len(learn.recorder.values), validate=list(learn.validate()), writes=writes, secs=secs,

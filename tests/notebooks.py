@@ -6,9 +6,10 @@ Each notebook runs as `nbdev-test` runs it (its `#| eval: false` and `tst_flags`
 patch fastai's `Learner` as they run. The processes are forked from this one, which imports nbdev's runner and the libraries under fastai
 (torch, pandas, matplotlib, ...) once, so no notebook pays for them; not fastai itself, whose import draws from python's random stream
 (a notebook that imports it draws after the seeding below). Its outputs are then normalised (see `normalise`: dates, temporary folders,
-timings, memory addresses) and compared with the outputs kept in the notebook; a notebook whose outputs differ fails, with a diff. With
-`--update`, the new outputs are written into the notebooks instead (then run `nbdev-clean`): `bash tests/run.sh --update-outputs` does
-both, and is how the outputs are regenerated after a change. The outputs of notebooks in `NOT_CHECKED` are written by `--update` but not compared.
+timings, memory addresses, the warnings that installed libraries print) and compared with the outputs kept in the notebook; a notebook
+whose outputs differ fails, with a diff. With `--update`, the new outputs are written into the notebooks instead (then run
+`nbdev-clean`): `bash tests/run.sh --update-outputs` does both, and is how the outputs are regenerated after a change. The outputs of
+notebooks in `NOT_CHECKED` are written by `--update` but not compared.
 Progress bars are off (`fastprogress.NO_BAR`): the epoch tables stay, without the bars' timings.
 Each notebook starts with python's, numpy's and torch's random streams seeded (0), with PYTHONHASHSEED=0 and one thread per op, so that
 the numbers it prints are the same in every run on one machine. Nothing is written to disk but the notebooks, and only with `--update`.
@@ -20,7 +21,15 @@ ROOT = Path(__file__).resolve().parent.parent
 # Tutorials that kill processes at moments that vary from run to run: their outputs are written by --update, never compared (their own
 # tests check what matters: the digests of interrupted and uninterrupted runs are equal)
 NOT_CHECKED = {'10_tutorial.preemption.ipynb', '11_tutorial.distributed.ipynb'}
+# A warning as python prints it (`file:line: Category: message`, then the source line indented), and the files of installed libraries and of
+# the standard library, but not this package's (installed or not)
+_WARNING = re.compile(r'(?m)^(\S+\.py):\d+: \w*Warning: .*\n(?:  .*\n)?')
+_LIBRARY = re.compile(r'/(?:site|dist)-packages/(?!resumable_train/)|/lib/python3\.\d+/(?!site-packages/)')
+
+def _drop_library_warning(m): return '' if _LIBRARY.search(m[1]) else m[0]
+
 _SUBS = [  # (pattern, replacement): what differs between two runs of the same notebook on the same machine
+    (_WARNING, _drop_library_warning),  # which warnings libraries print depends on their versions; the package's own warnings stay
     ('█\r', ''),  # fastprogress's console bar probes the terminal with its fill character; a notebook shows an HTML bar instead
     (r'\d{4}-\d\d-\d\d \d\d:\d\d:\d\d', 'YYYY-MM-DD hh:mm:ss'),
     (r'(/tmp|/var/folders/[^/\s]+/[^/\s]+/T)/tmp[\w.-]+', '/tmp/TMPDIR'),
@@ -45,6 +54,7 @@ def _walk(o):
 
 def _norm_out(o):
     "A cell output, normalised, as nbdev-clean keeps it"
+    if isinstance(o.get('text'), list): o = dict(o, text=''.join(o['text']))  # whole, for the warnings that span two lines
     o = _walk(o)
     o.pop('execution_count', None)
     if 'metadata' in o: o['metadata'] = {}
@@ -54,6 +64,10 @@ def _norm_out(o):
         if isinstance(v, str) and not k.startswith('image/'): o['data'][k] = v.splitlines(keepends=True)
     if o.get('output_type') == 'execute_result': o['execution_count'] = None
     return o
+
+def _norm_outs(outs)->list:
+    "Cell outputs, normalised, without the streams left empty (a library's warning, dropped)"
+    return [o for o in map(_norm_out, outs) if o.get('output_type') != 'stream' or o['text']]
 
 def _text(outs)->str:
     "Outputs as text, for a diff"
@@ -82,8 +96,8 @@ def run_one(fn:Path, update:bool)->int:
     diffs = []
     for c in nb['cells']:
         if c['cell_type'] != 'code' or c.get('id') not in ran: continue
-        new = [_norm_out(json.loads(json.dumps(o, default=dict))) for o in ran[c['id']]]
-        old = [_norm_out(o) for o in c.get('outputs', [])]
+        new = _norm_outs(json.loads(json.dumps(o, default=dict)) for o in ran[c['id']])
+        old = _norm_outs(c.get('outputs', []))
         if update: c['outputs'] = new
         if new != old:
             diffs.append(f"--- cell {c.get('id')}: {''.join(c['source']).splitlines()[0][:70] if c['source'] else ''}\n" +

@@ -25,20 +25,27 @@ done
 # the start; `later`: tests that mostly wait, once the notebooks are done; every other test file in one process from the start.
 # Then the lowest fastai that pyproject.toml admits (2.8.8): its training loop is the one the package checks at import, and of the
 # applications' code only fastai.tabular differs from 2.8.12, so the tabular and collab kill-and-rerun tests run again on it
-# (2.8.8's own vision does not run with this torchvision, with or without the package).
-low=.venv/fastai-2.8.8
+# (2.8.8's own vision does not run with this torchvision, with or without the package). The README's install command puts it beside the
+# venv's packages, not installed; the suite installs nothing, and says so when it is missing.
+low=$(python -c 'import sys; print(sys.prefix)')/fastai-2.8.8
+[ -d "$low/fastai" ] ||
+  echo "== skipped: the tests on fastai 2.8.8 ($low is missing; make it with: pip install --no-deps --target $low fastai==2.8.8)"
 lowest() {
-  [ -d "$low/fastai" ] || python -m pip install -q --no-deps --target "$low" fastai==2.8.8 || return 1
-  echo "== the same tests on fastai $(PYTHONPATH="$PWD/$low:$PYTHONPATH" python -c 'import fastai; print(fastai.__version__)')"
-  PYTHONPATH="$PWD/$low:$PYTHONPATH" python -m pytest -q -rs -p no:cacheprovider tests/test_apps.py -k 'tabular or collab'
+  [ -d "$low/fastai" ] || return 0
+  echo "== the same tests on fastai $(PYTHONPATH="$low:$PYTHONPATH" python -c 'import fastai; print(fastai.__version__)')"
+  PYTHONPATH="$low:$PYTHONPATH" python -m pytest -q -rs -p no:cacheprovider tests/test_apps.py -k 'tabular or collab'
 }
 pytest() { n=$1; shift; python -m pytest -q -rs -p no:cacheprovider --basetemp="$logs/tmp$n" "$@" >"$logs/pytest$n.log" 2>&1; }
 apart=(tests/test_multinode.py tests/test_distributed.py tests/test_elastic.py)
 later=(tests/test_remote.py tests/test_cli.py tests/test_group_signal.py)
 pytest 1 "${apart[@]}" & pytest1_pid=$!
 { pytest 2 tests "${apart[@]/#/--ignore=}" "${later[@]/#/--ignore=}" && lowest >>"$logs/pytest2.log" 2>&1; } & pytest2_pid=$!
-echo "== docs build (nbdev-proc-nbs)"
-nbdev-proc-nbs >"$logs/proc.log" 2>&1 || { cat "$logs/proc.log"; echo "FAIL: nbdev-proc-nbs: the docs do not build"; exit 1; }
+# The docs: what nbdev-proc-nbs does (the sidebar, each notebook processed for Quarto, show_doc run on every export), without its step
+# that downloads Quarto and installs it with sudo where it is missing (the suite installs nothing; if nbdev renames that step, this fails
+# with a KeyError instead of installing). Rendering the pages (nbdev-docs) needs Quarto and is not part of the suite.
+echo "== docs build (nbdev-proc-nbs without installing Quarto; the pages are rendered by nbdev-docs, not here)"
+proc_nbs='import nbdev.quarto as q; vars(q)["_ensure_quarto"]; q._ensure_quarto = lambda: None; q.nbdev_proc_nbs.__wrapped__()'
+python -c "$proc_nbs" >"$logs/proc.log" 2>&1 || { cat "$logs/proc.log"; echo "FAIL: nbdev-proc-nbs: the docs do not build"; exit 1; }
 echo "== notebooks: tests, and outputs current"
 nb_rc=0; python tests/notebooks.py || nb_rc=$?
 echo "== process-level tests"
