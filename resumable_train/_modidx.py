@@ -533,6 +533,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                     'resumable_train/store.py'),
                                        'resumable_train.store._gone': ('store.html#_gone', 'resumable_train/store.py'),
                                        'resumable_train.store._holder': ('store.html#_holder', 'resumable_train/store.py'),
+                                       'resumable_train.store._lock_doc': ('store.html#_lock_doc', 'resumable_train/store.py'),
                                        'resumable_train.store._manifest': ('store.html#_manifest', 'resumable_train/store.py'),
                                        'resumable_train.store._mismatch': ('store.html#_mismatch', 'resumable_train/store.py'),
                                        'resumable_train.store._mtime': ('store.html#_mtime', 'resumable_train/store.py'),

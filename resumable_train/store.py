@@ -239,16 +239,18 @@ def _gone(doc:dict)->bool:
 
 def _etag(response)->str|None: return response.get('ETag') if isinstance(response, dict) else None
 
+def _lock_doc(since:float, lease:float)->bytes:
+    "What a remote run lock says: its holder (host, boot, pid), since when it holds the run, and when its lease runs out"
+    return json.dumps(dict(host=socket.gethostname(), boot=_boot_id(), pid=os.getpid(), since=since, expires=time.time() + lease)).encode()
+
 class _Lease:
     "A remote run lock this process holds: renewed by a daemon thread every third of `lease` seconds, removed when the process ends"
-    def __init__(self, store, key, etag, lease):
-        self.store,self.key,self.etag,self.lease,self.since,self.stop = store,key,etag,lease,time.time(),threading.Event()
+    def __init__(self, store, key, etag, lease, since):
+        self.store,self.key,self.etag,self.lease,self.since,self.stop = store,key,etag,lease,since,threading.Event()
         threading.Thread(target=self._renew, daemon=True, name='resumable_train-lease').start()
         atexit.register(self.release)
 
-    def doc(self)->bytes:
-        return json.dumps(dict(host=socket.gethostname(), boot=_boot_id(), pid=os.getpid(), since=self.since,
-                               expires=time.time() + self.lease)).encode()
+    def doc(self)->bytes: return _lock_doc(self.since, self.lease)
 
     def _renew(self):
         failing = False  # warn once for a run of failed renewals
@@ -274,13 +276,13 @@ def _exclusive_writes(fs)->bool: return 'mode' in inspect.signature(fs._pipe_fil
 @patch
 def _take(self:FsspecStore, key:str, lease:float):
     "Write the lock `key` if absent, or over a holder that is gone: the new `_Lease`, or the holder's lock document"
-    new = _Lease.__new__(_Lease); new.since,new.lease = time.time(),lease
-    try: return _Lease(self, key, _etag(self.fs.pipe_file(key, _Lease.doc(new), mode='create')), lease)
+    since = time.time()
+    try: return _Lease(self, key, _etag(self.fs.pipe_file(key, _lock_doc(since, lease), mode='create')), lease, since)
     except FileExistsError: pass
     info = self.fs.info(key, refresh=True)
     doc = json.loads(self.fs.cat_file(key))
     if not _gone(doc): return doc
-    try: return _Lease(self, key, _etag(self.fs.pipe_file(key, _Lease.doc(new), IfMatch=info['ETag'])), lease)
+    try: return _Lease(self, key, _etag(self.fs.pipe_file(key, _lock_doc(since, lease), IfMatch=info['ETag'])), lease, since)
     except OSError: return json.loads(self.fs.cat_file(key))  # another machine took it over first
 
 @patch
