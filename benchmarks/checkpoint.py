@@ -3,9 +3,10 @@ import io, os, tempfile, time, torch
 from pathlib import Path
 from fastai.callback.core import Callback, CancelFitException
 import fastai.callback.schedule  # noqa: F401 (fit_one_cycle)
-from resumable_train.learner import checkpoint, _log_history
+from resumable_train.snapshot import checkpoint
+from resumable_train.learner import log_history
 from resumable_train.store import LocalStore
-from resumable_train.files import _fsync, _compact, _log_ref, resume_record, write_checkpoint
+from resumable_train.files import _fsync, _compact, log_ref, resume_record, write_checkpoint
 from common import *
 
 def _bare(learn, file, fsync=False):
@@ -20,7 +21,7 @@ def _steps(learn, d):
         nonlocal t
         now = time.perf_counter(); out[k] = out.get(k, 0) + now - t; t = now
     ck = checkpoint(learn); lap('snapshot')
-    start = _log_history(learn, ck, LocalStore(d), 'steps.history'); lap('history')
+    start = log_history(learn, ck, LocalStore(d), 'steps.history'); lap('history')
     rec = resume_record(ck)
     obj = {**ck, 'opt': {**ck['opt'], 'resume': _compact(rec)}}
     with open(os.devnull, 'wb') as f: torch.save(obj, f)
@@ -29,7 +30,7 @@ def _steps(learn, d):
         torch.save(obj, f); f.flush()
         lap('write')
         os.fsync(f.fileno())
-        if _log_ref(rec): _fsync(d/'steps.history')
+        if log_ref(rec): _fsync(d/'steps.history')
         lap('fsync')
     os.replace(d/'.steps.tmp', d/'steps.pth'); lap('rename')
     _fsync(d); lap('fsync')

@@ -49,7 +49,7 @@ def _timed_dict(name, f, *args, **kwargs)->dict: return {name: timed(f, *args, *
 def _rt_background(ar):
     "Stall (`AutoResume._save` in the training thread: snapshot, history rows, host copy) and total time of a background resume point"
     def f(learn):
-        ar.fitting,ar.fit_index = True,0
+        ar.fitting,ar.fit_calls.index = True,0
         t = time.perf_counter()
         ar._save()
         stall = time.perf_counter() - t

@@ -6,13 +6,22 @@
 __all__ = []
 
 # %% ../nbs/09_all.ipynb #a8cfaa7a
-from . import files, store, state, loaders, learner, autoresume, distributed
+from . import files, store, state, loaders, hooks, collectives, plans, snapshot, fastforward, seeding, learner, checkpoints, fitcalls, signals, autoresume, distributed
 from .cli import checkpoint_info, digits_learner, weights_digest
 from .files import *
 from .store import *
 from .state import *
 from .loaders import *
+from .hooks import *
+from .collectives import *
+from .plans import *
+from .snapshot import *
+from .fastforward import *
+from .seeding import *
 from .learner import *
+from .checkpoints import *
+from .fitcalls import *
+from .signals import *
 from .autoresume import *
 from .distributed import *
-__all__ = files.__all__ + store.__all__ + state.__all__ + loaders.__all__ + learner.__all__ + autoresume.__all__ + distributed.__all__ + ['checkpoint_info', 'digits_learner', 'weights_digest']
+__all__ = [n for m in (files, store, state, loaders, hooks, collectives, plans, snapshot, fastforward, seeding, learner, checkpoints, fitcalls, signals, autoresume, distributed) for n in m.__all__] + ['checkpoint_info', 'digits_learner', 'weights_digest']

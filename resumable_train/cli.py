@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from . import __version__
-from .files import read_checkpoint, resume_record, CheckpointError, history_log_info, _unpack
+from .files import read_checkpoint, resume_record, CheckpointError, history_log_info, unpack
 from .store import as_store, is_url, locate, LocalStore, StoreError
 
 # %% auto #0
@@ -50,7 +50,7 @@ def _num(v): return v.item() if isinstance(v, torch.Tensor) else v
 
 def _metrics(rec):
     rs = (rec.get('callbacks') or {}).get('recorder') or {}
-    vals,lrs,losses = rs.get('values') or [],_unpack(rs.get('lrs') or []),_unpack(rs.get('losses') or [])
+    vals,lrs,losses = rs.get('values') or [],unpack(rs.get('lrs') or []),unpack(rs.get('losses') or [])
     row = [_num(v) for v in vals[-1]] if vals else []
     names = list(rec.get('metric_names') or [])[:len(row)]
     names += ['train_loss', 'valid_loss', *[f'metric_{i}' for i in range(len(row))]][len(names):len(row)]

@@ -13,11 +13,15 @@ from fastai.data.load import DataLoader, _FakeLoader
 from fastai.callback.core import Callback, CancelFitException
 from .files import *
 from .state import *
-from .state import _metric_state, _set_metric_state, _qualname
+from .state import metric_state, set_metric_state, qualname
 from .loaders import *
+from .collectives import *
+from .collectives import world_size, group_device
+from .seeding import seeded
+from .fastforward import SkipToIter
+from .snapshot import fit_position
 from .learner import *
-from .learner import _world_error, _world_size, _position, _seeded, _group_device
-from .autoresume import agree
+from .learner import world_error
 
 # %% auto #0
 __all__ = ['init_distributed', 'DDPTrainer']
@@ -105,13 +109,13 @@ def _shard(dl, rank:int, world_size:int):
 _RANK0 = {f'fastai.callback.progress.{n}' for n in ('ProgressCallback','ShowGraphCallback','CSVLogger')}  # by name: importing
 # fastai.callback.progress would add `ProgressCallback` to fastai's default callbacks
 
-def _rank0_only(cb, more:tuple)->bool: return isinstance(cb, more) or any(_qualname(c) in _RANK0 for c in type(cb).__mro__)
+def _rank0_only(cb, more:tuple)->bool: return isinstance(cb, more) or any(qualname(c) in _RANK0 for c in type(cb).__mro__)
 _OWN_EVENTS = ('before_fit','after_cancel_fit','after_fit')
 
 def _broadcast(o):
     "Rank 0's `o`, on every rank"
     l = [o]
-    dist.broadcast_object_list(l, src=0, device=_group_device())
+    dist.broadcast_object_list(l, src=0, device=group_device())
     return l[0]
 
 class _NoBatches(GetAttr):
@@ -197,7 +201,7 @@ def before_fit(self:DDPTrainer):
     self.learn.to_detach = self._to_detach
     if not getattr(self.learn, '_fitting', False): return   # `validate` or `get_preds`: every rank evaluates on its own
     self._cleanup()
-    learn,self.dev = self.learn,_group_device()
+    learn,self.dev = self.learn,group_device()
     if self.dev.type == 'cuda': learn.dls.to(self.dev); learn.model.to(self.dev)
     self.old = dict(model=learn.model, loaders=list(learn.dls.loaders), logger=learn.logger)
     self.ddp = DistributedDataParallel(learn.model, device_ids=[self.dev.index] if self.dev.type == 'cuda' else None, **self.ddp_kwargs)
@@ -236,16 +240,16 @@ def after_validate(self:DDPTrainer):
     rec = getattr(self.learn, 'recorder', None)
     if rec is None: return
     mets = rec._valid_mets
-    sds = self._collective(lambda: _broadcast(None if self.rank else [to_plain(_metric_state(m), copy=True) for m in mets]),
+    sds = self._collective(lambda: _broadcast(None if self.rank else [to_plain(metric_state(m), copy=True) for m in mets]),
                            "receive rank 0's validation results")
     if self.rank:
-        for m,sd in zip(mets, sds): _set_metric_state(m, sd)
+        for m,sd in zip(mets, sds): set_metric_state(m, sd)
 
 # %% ../nbs/03_distributed.ipynb #1749b241
 @patch
 def _epoch_position(self:DDPTrainer)->int|None:
     "How many samples of this epoch's order all ranks together have trained (`None` at the end of `fit`)"
-    pos,dl,r = _position(self.learn),self._data(),self.rest
+    pos,dl,r = fit_position(self.learn),self._data(),self.rest
     if pos is None or getattr(dl, 'n', None) is None: return None   # a DataLoader of unknown length (or not fastai's) has no position
     ep,it = pos
     if not it: return 0
@@ -257,7 +261,7 @@ def state_dict(self:DDPTrainer):
     "World size, position in the epoch's sample order, and every rank's random streams (complete on rank 0, which writes the file)"
     skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
     er = getattr(skip, 'epoch_rng', None)
-    pos,dl = _position(self.learn),self._data()
+    pos,dl = fit_position(self.learn),self._data()
     loader = loader_record(dl) if _is_stream(dl) and pos is not None and pos[1] else None  # a stream's position: each rank's own
     mine = to_plain(dict(rng=rng_state(), epoch_rng=er['rng'] if er else None, loader=loader), copy=True)
     ranks = [mine]
@@ -272,14 +276,14 @@ def _rank_streams(sd, rank):
     "This rank's saved random streams; for a rank the saved run did not have, streams seeded by rank 0's and the rank's number"
     if rank < len(sd['ranks']): return sd['ranks'][rank]
     seeds = np.random.SeedSequence([*sd['ranks'][0]['rng']['random_state'][1].tolist(), rank]).generate_state(2)
-    with _seeded(int(seeds[0])): rng = rng_state()
-    with _seeded(int(seeds[1])): epoch = rng_state()
+    with seeded(int(seeds[0])): rng = rng_state()
+    with seeded(int(seeds[1])): epoch = rng_state()
     return dict(rng=rng, epoch_rng=epoch)
 
 @patch
 def load_state_dict(self:DDPTrainer, sd):
     "Check the world size; restore this rank's random streams"
-    if sd['world_size'] != self.world_size and not self.elastic: raise _world_error('The resume point', sd['world_size'], self.world_size)
+    if sd['world_size'] != self.world_size and not self.elastic: raise world_error('The resume point', sd['world_size'], self.world_size)
     if not self.active: return
     mine = _rank_streams(sd, self.rank)
     self.pending = mine['rng']
@@ -336,12 +340,12 @@ def plan_resume(self:DDPTrainer, rp:dict|None, # the resume point `learn.load` l
     "Check the world size of `rp`; on another world size (`elastic`), plan the rest of the epoch; called by `Learner.load`"
     self.elastic,self.rest = elastic,None
     if rp is None: return
-    sd,now = _saved_run(rp),_world_size()
+    sd,now = _saved_run(rp),world_size()
     saved,file = sd['world_size'],rp['file']
     if saved == now:
         self.rest = sd.get('rest')   # an epoch that an elastic resume started goes on as it began
         return
-    if not elastic: raise _world_error(file, saved, now)
+    if not elastic: raise world_error(file, saved, now)
     if _is_stream(self._data()):
         raise CheckpointError(f"{file} holds a run on {saved} process(es) whose training data is a stream ({type(self._data()).__name__}), whose "
                               f"position each rank keeps for its own part: on {now} process(es) every rank would read another part of it. "

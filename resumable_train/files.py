@@ -14,12 +14,18 @@ __all__ = ['FORMAT_VERSION', 'make_checkpoint', 'resume_record', 'WriteCancelled
            'start_history', 'append_history', 'adopt_history', 'history_log_info', 'CheckpointError', 'read_checkpoint',
            'position_text']
 
-# %% ../nbs/00a_files.ipynb #f023d4f0
-def _unpack(o):
+# %% ../nbs/00a_files.ipynb #b8f6e4e0
+def unpack(o):
     "The list a packed history (`{'stack': t}`, `{'float64': t}`) holds; a list kept as it is"
     if isinstance(o, dict) and 'stack' in o: return list(o['stack'].unbind())
     if isinstance(o, dict) and 'float64' in o: return o['float64'].tolist()
     return list(o)
+
+# %% ../nbs/00a_files.ipynb #b367aa34
+def log_ref(rec:dict)->dict|None:
+    "The reference to a history log in the resume record `rec`, if it has one"
+    rs = rec.get('callbacks', {}).get('recorder') if isinstance(rec.get('callbacks'), dict) else None
+    return rs.get('history') if isinstance(rs, dict) else None
 
 # %% ../nbs/00a_files.ipynb #78e8d2b8
 FORMAT_VERSION = 3  # 2: every stream at the epoch's start, PyTorch generators, DataLoader and module states, fit plans, the ledger; 3: history logs
@@ -104,11 +110,6 @@ def _compact(o):
     if isinstance(o, (list, tuple)): return type(o)(_compact(v) for v in o)
     return o
 
-def _log_ref(rec:dict)->dict|None:
-    "The reference to a history log in the resume record `rec`, if it has one"
-    rs = rec.get('callbacks', {}).get('recorder') if isinstance(rec.get('callbacks'), dict) else None
-    return rs.get('history') if isinstance(rs, dict) else None
-
 def write_checkpoint(obj, file, durable:bool=True, # fsync the file and its folder
                      pickle_protocol:int=2,
                      cancel=None): # a `threading.Event` that abandons the write (`WriteCancelled`) once set
@@ -116,10 +117,9 @@ def write_checkpoint(obj, file, durable:bool=True, # fsync the file and its fold
     file,rec = Path(file),resume_record(obj) if isinstance(obj, dict) else None
     if isinstance(rec, dict):
         obj = {**obj, 'opt': {**obj['opt'], 'resume': _compact(rec)}}
-        log = _log_ref(rec)
+        log = log_ref(rec)
         if durable and log is not None: _fsync(file.parent/log['log'])
     return _write_atomic(file, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol), durable, cancel)
-
 
 # %% ../nbs/00a_files.ipynb #d50d801d
 def _fail(field, what): raise ValueError(f"`{field}` {what}")
@@ -361,7 +361,7 @@ def _put(d:dict, path:list, v):
 
 def _resolve_history(rec:dict, file):
     "Put back into the record `rec` read from `file` the history rows it keeps in a log next to `file`; `ValueError` saying what is wrong"
-    ref = _log_ref(rec)
+    ref = log_ref(rec)
     if ref is None: return
     _check_ref(ref)
     path,n = (Path(file).parent/ref['log']).absolute(),ref['n']
@@ -397,6 +397,9 @@ def history_log_info(file)->dict:
     if not isinstance(cols, list): raise ValueError("is not a history log (it does not start with a log's header)")
     n,rest = divmod(len(rows), sum(getattr(torch, dt).itemsize*math.prod(shape) for _,_,dt,shape in cols))
     return dict(columns=[c[0] for c in cols], rows=n, partial_bytes=rest)
+
+# %% ../nbs/00a_files.ipynb #54dac842
+stock_safe = [L, np.dtype, *[getattr(np.dtypes, n) for n in np.dtypes.__all__]] + ([np._core.multiarray.scalar] if hasattr(np, '_core') else [])
 
 # %% ../nbs/00a_files.ipynb #1b71ade7
 class CheckpointError(ValueError):
@@ -444,8 +447,6 @@ def _why_unreadable(file, e):
         return f"is a text file, not a PyTorch checkpoint (it starts with {head.decode()[:30]!r})"
     return "is not a PyTorch checkpoint: torch.save writes a zip archive, and this file is neither a zip archive nor a pickle"
 
-_stock_safe = [L, np.dtype, *[getattr(np.dtypes, n) for n in np.dtypes.__all__]] + ([np._core.multiarray.scalar] if hasattr(np, '_core') else [])
-
 def read_checkpoint(file, map_location='cpu',
                     mmap:bool=False, # map the tensors from the file instead of reading them into memory (enough to look at the record)
                     name=None, # what messages call the file (a remote store's URL for a downloaded copy); `file` by default
@@ -458,7 +459,7 @@ def read_checkpoint(file, map_location='cpu',
     if not file.is_file(): raise CheckpointError(f"{name} does not exist")
     if (why := _compressed(file)) is not None: raise CheckpointError(f"{name} {why}")
     try:
-        with torch.serialization.safe_globals(_stock_safe), warnings.catch_warnings():
+        with torch.serialization.safe_globals(stock_safe), warnings.catch_warnings():
             warnings.simplefilter('ignore')  # torch's warnings about pickle protocols: the error below says what is wrong
             state = torch.load(file, map_location=map_location, weights_only=True, mmap=mmap and zipfile.is_zipfile(file))
     except Exception as e: raise CheckpointError(f"{name} {_why_unreadable(file, e)}") from e

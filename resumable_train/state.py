@@ -10,7 +10,7 @@ import numpy as np, torch
 from fastcore.foundation import L
 from fastai.torch_core import get_random_states, set_random_states, num_distrib, rank_distrib, get_model
 from .files import *
-from .files import _unpack
+from .files import unpack
 
 # %% auto #0
 __all__ = ['to_plain', 'rng_state', 'set_rng_state', 'dl_rng_state', 'set_dl_rng_state', 'register_state', 'has_state',
@@ -81,6 +81,9 @@ def set_dl_rng_state(dl, s:list|dict|None):
         for g,t in zip(_torch_generators(dl), s['generators']): g.set_state(t)
     elif s is not None: dl.rng.setstate(_py_state(s))
 
+# %% ../nbs/00_state.ipynb #42fc7de7
+def qualname(c): return f'{c.__module__}.{c.__qualname__}'
+
 # %% ../nbs/00_state.ipynb #4ee0f400
 _registry,_registered = {},set()  # the registered classes' functions, by module and name; their names alone (a quick first check)
 
@@ -92,14 +95,12 @@ def register_state(cls:str, # a class's module and name, e.g. 'fastai.text.data.
     _registry[cls] = (state_dict, load_state_dict)
     _registered.add(cls.rpartition('.')[2])
 
-def _qualname(c): return f'{c.__module__}.{c.__qualname__}'
-
 def _state_fns(o, own:bool=True):
     "`o`'s `(state_dict, load_state_dict)`: from the most derived class that defines them (with `own`) or has them registered"
     for c in type(o).__mro__:
         d = vars(c)
         if own and 'state_dict' in d and 'load_state_dict' in d: return d['state_dict'],d['load_state_dict']
-        if c.__name__ in _registered and _qualname(c) in _registry: return _registry[_qualname(c)]
+        if c.__name__ in _registered and qualname(c) in _registry: return _registry[qualname(c)]
 
 def has_state(o, own:bool=True)->bool:
     "Does `o` keep a state in resume points (its class defines `state_dict` and `load_state_dict`, with `own`, or is registered)?"
@@ -163,14 +164,22 @@ class History:
         if new: self._grow(_stacked(new, self.kind)); self.last = xs[-1]
         return {'float64' if self.kind == 'number' else 'stack': self.buf[:self.n]}
 
+# %% ../nbs/00_state.ipynb #e8703e5b
+def metric_state(m): return state_of(m) if has_state(m) else {k:v for k,v in vars(m).items() if _is_plain(v)}
+
+# %% ../nbs/00_state.ipynb #d9558562
+def set_metric_state(m, sd): restore_state(m, sd) if has_state(m) else _set_vars(m, sd)
+
+# %% ../nbs/00_state.ipynb #42f1ac4f
+def logged_histories(learn)->dict:
+    "The `History`s of `learn`'s callbacks, by their path in `callback_states`: `('recorder', 'lrs')`, `('param_scheduler', 'hps', 'lr')`"
+    return {(key, *((k,) if isinstance(k, str) else k)): h for key,cb in _keyed_callbacks(learn).items() for k,h in _histories.get(cb, {}).items()}
+
 # %% ../nbs/00_state.ipynb #47527599
 def _is_plain(v):
     if isinstance(v, (torch.Tensor, bool, int, float, str, type(None))): return True
     if isinstance(v, (list, tuple)): return all(map(_is_plain, v))
     return isinstance(v, dict) and all(map(_is_plain, v.values()))
-
-def _metric_state(m): return state_of(m) if has_state(m) else {k:v for k,v in vars(m).items() if _is_plain(v)}
-def _set_metric_state(m, sd): restore_state(m, sd) if has_state(m) else _set_vars(m, sd)
 
 _HISTORIES = ('lrs', 'losses')
 
@@ -182,24 +191,21 @@ def _history(o, k)->History:
 
 def _unpacked(o, k, packed)->list:
     "The list `packed` holds, which `o`'s `History` `k` goes on packing from"
-    xs = _unpack(packed)
+    xs = unpack(packed)
     _history(o, k).reset(xs, packed if isinstance(packed, dict) else None)
     return xs
-def _logged_histories(learn)->dict:
-    "The `History`s of `learn`'s callbacks, by their path in `callback_states`: `('recorder', 'lrs')`, `('param_scheduler', 'hps', 'lr')`"
-    return {(key, *((k,) if isinstance(k, str) else k)): h for key,cb in _keyed_callbacks(learn).items() for k,h in _histories.get(cb, {}).items()}
 
 def _recorder_state(r):
     "History, smoothed loss and running training metrics"
     sd = _vars_state(r, ('iters','values'))
     for k in _HISTORIES:  # one tensor each, grown by the batches since the last save: saves stay cheap in long runs
         if k in vars(r): sd[k] = _history(r, k).pack(vars(r)[k])
-    return dict(sd, metrics=[_metric_state(m) for m in r._train_mets])
+    return dict(sd, metrics=[metric_state(m) for m in r._train_mets])
 
 def _set_recorder_state(r, sd):
     _set_vars(r, {k:list(sd[k]) for k in ('iters','values')})
     for k in _HISTORIES: setattr(r, k, _unpacked(r, k, sd[k]))
-    for m,s in zip(r._train_mets, sd['metrics']): _set_metric_state(m, s)
+    for m,s in zip(r._train_mets, sd['metrics']): set_metric_state(m, s)
     if r.smooth_loss.count: r.learn.smooth_loss = r.smooth_loss.value
 
 register_state('fastai.learner.Recorder', _recorder_state, _set_recorder_state)
@@ -252,7 +258,7 @@ def _keyed_callbacks(learn)->dict:
     for cb in cbs:
         same = [c for c in cbs if type(c) is type(cb)]
         key = cb.name if len(same) == 1 else f'{cb.name}.{next(i for i,c in enumerate(same) if c is cb)}'
-        if key in res: raise ValueError(f"The callbacks {_qualname(type(res[key]))} and {_qualname(type(cb))} are both named {key!r}, so a "
+        if key in res: raise ValueError(f"The callbacks {qualname(type(res[key]))} and {qualname(type(cb))} are both named {key!r}, so a "
                                         "resume point cannot tell their states apart; rename one of the two classes")
         res[key] = cb
     return res

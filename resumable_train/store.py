@@ -14,13 +14,27 @@ from fastcore.foundation import L
 from .files import write_checkpoint, read_checkpoint, CheckpointError, WriteCancelled
 
 # %% auto #0
-__all__ = ['Entry', 'MANIFEST', 'LocalStore', 'StoreError', 'FsspecStore', 'is_url', 'as_store', 'locate']
+__all__ = ['Entry', 'MANIFEST', 'Store', 'LocalStore', 'StoreError', 'FsspecStore', 'is_url', 'as_store', 'locate']
 
 # %% ../nbs/00b_store.ipynb #33a68975
 Entry = namedtuple('Entry', 'name size modified complete')
 
-class LocalStore:
+class Store:
+    "Where a run's checkpoints live: what `AutoResume`, `learn.save` and `learn.load` ask of a folder or a bucket"
+    local:bool = False  # files on this machine's disk, which a history log can be appended to in place
+    url:str  # the folder or URL, for messages
+    def where(self, name:str): raise NotImplementedError  # the path or URL of checkpoint `name`
+    def ls(self)->L: raise NotImplementedError  # an `Entry` for each checkpoint, complete or not
+    def entry(self, name:str)->Entry: raise NotImplementedError
+    def save(self, obj, name:str, durable:bool=True, pickle_protocol:int=2, cancel=None): raise NotImplementedError
+    def load(self, name:str, map_location='cpu', **kwargs)->dict: raise NotImplementedError  # with `weights_only=True`
+    def remove(self, name:str): raise NotImplementedError
+    def lock(self, fname:str, wait:float=0): raise NotImplementedError  # refuse a second run on the same files
+    def unlock(self, fname:str): raise NotImplementedError
+
+class LocalStore(Store):
     "Checkpoints in a local folder, each written to a temporary file, fsynced and renamed into place"
+    local = True
     def __init__(self, folder): self.folder = Path(folder)
     def __repr__(self): return f"{type(self).__name__}({str(self.folder)!r})"
     @property
@@ -103,7 +117,7 @@ def _mtime(info:dict):
     if isinstance(t, str): t = datetime.fromisoformat(t.replace('Z', '+00:00'))
     return t.timestamp() if isinstance(t, datetime) else t
 
-class FsspecStore:
+class FsspecStore(Store):
     "Checkpoints at an fsspec URL: the data first, then a manifest with its size and sha256; without a valid manifest, no checkpoint"
     def __init__(self, url:str, # `s3://bucket/run1`, `gs://bucket/run1`, `memory://run1`: any fsspec URL
                  retries:int=4, # more attempts for an error that may pass (no answer, a timeout, a server error)
@@ -330,7 +344,7 @@ def as_store(where, # a local folder, an fsspec URL, or a store
              **kwargs, # for an `FsspecStore`: `retries`, `backoff` and the backend's storage options
             ):
     "The store for `where`"
-    if isinstance(where, (LocalStore, FsspecStore)): return where
+    if isinstance(where, Store): return where
     if is_url(where): return FsspecStore(where, **kwargs)
     return LocalStore(str(where).removeprefix('file://'))
 

@@ -49,14 +49,14 @@ def write(self, ck, name, start=None):
     "`AutoResume._write`, signalling this process during the chosen write"
     rec = resume_record(ck)
     if a.during and chosen(rec, self): os.kill(os.getpid(), sig); print('SIGNALLED during', name, flush=True)
-    if a.busy and not self.stopping and rec['epoch'] is not None and rec['train_iter'] >= 4 and not self.writer.cancel.is_set():
+    if a.busy and not self.stop_signals.stopping and rec['epoch'] is not None and rec['train_iter'] >= 4 and not self.writer.cancel.is_set():
         os.kill(os.getpid(), signal.SIGTERM)
         self.writer.cancel.wait(30)  # held until the stop abandons it
-    if self.stopping:
+    if self.stop_signals.stopping:
         for k in range(a.presses):
             time.sleep(0.6)  # the same signal twice within half a second counts once
             os.kill(os.getpid(), signal.SIGINT)
-            if k == 0: wait_for(lambda: self.presses == 1, 'the second Ctrl-C')
+            if k == 0: wait_for(lambda: self.stop_signals.presses == 1, 'the second Ctrl-C')
             else: wait_for(self.writer.cancel.is_set, 'the third Ctrl-C')
         if a.fail_stop: raise OSError(errno.EROFS, f"Could not write {self.store.where(name)}: Read-only file system; nothing was written")
     return _write(self, ck, name, start)
