@@ -26,7 +26,7 @@ from .seeding import SeedBatches
 from .learner import *
 from .learner import log_history, load_through, bypassed
 from .checkpoints import *
-from .checkpoints import Writer, host_copy, entries, file_name, scan_run, next_number
+from .checkpoints import Writer, host_copy, entries, file_name, scan_run, holder_rank
 from .fitcalls import FitCalls
 from .signals import SIGNALS, StopSignals, WorkerSignals
 
@@ -233,8 +233,7 @@ class AutoResume(Callback):
 
     def _scan(self):
         "The newest valid resume point of the run, any node's: `(file, record, checkpoint)`; and the next file number"
-        file,state,self.src = scan_run(self.store, self.fname, self.wait)
-        self.next_num = next_number(self.store, self.fname)
+        file,state,self.src,self.next_num = scan_run(self.store, self.fname, self.wait)
         return file, (None if file is None else resume_record(state)), state
 
     def _decide(self, plan):
@@ -282,7 +281,7 @@ class AutoResume(Callback):
     def _load_end(self, file, plan):
         "Leave the Learner as this fit call left it: the end state in `file` (checking the hyperparameters against `plan`)"
         i = self.fit_index
-        try: state = read_on_rank0(file, self.src)   # on the node that held the newest resume point
+        try: state = read_on_rank0(file, holder_rank(self.store, file_name(file), self.src))  # from a node that holds it
         except CheckpointError as e: raise self._refusal(f"AutoResume: fit call {i+1} finished in an earlier run, but its end state cannot be loaded: {e}") from e
         rec = resume_record(state)
         if rec is None or rec.get('fit_index') != i or rec.get('epoch') is not None:

@@ -79,26 +79,36 @@ def scan_run(store, # where the run's resume points live (on this node)
              fname:str, # the name `AutoResume` was given
              wait:float=0, # seconds to wait for the run's lock
             )->tuple:
-    "Take the run's lock, then find the newest valid resume point: `(file, state, src)`; under `torch.distributed`, the newest any node holds, read on rank `src`"
-    file,state,err,group = None,None,None,dist.is_available() and dist.is_initialized()
+    "Take the run's lock, find the newest valid resume point: `(file, state, src, next_num)`; under `torch.distributed`, any node's"
+    file,state,err,top,group = None,None,None,0,dist.is_available() and dist.is_initialized()
     if not group or int(os.environ.get('LOCAL_RANK', dist.get_rank())) == 0:   # one reader per node, in the node's own folder
         try:
             if not rank_distrib(): store.lock(fname, wait)
             file,state = newest_valid(store, fname)
+            top = max([checkpoint_number(e.name, fname) for e in entries(store, fname)] + [0])
         except Exception as e: err = e  # every rank learns of it below
     if not group:
         if err is not None: raise err
-        return file, state, 0
+        return file, state, 0, top+1
     err = _first_error(err)
     if err is not None: raise err
     src,num = _newest_rank(file, state, fname)
-    if num is None: return None, None, src
+    top = agree(top)  # numbered for the run, not the node: a name in the ledger is one file, wherever rank 0 runs
+    if num is None: return None, None, src, top+1
     file = store.where(f'{fname}-{num:04d}.pth')
-    return file, share_checkpoint(state if dist.get_rank() == src else None, src), src
+    return file, share_checkpoint(state if dist.get_rank() == src else None, src), src, top+1
 
-def next_number(store, fname:str)->int:
-    "The number of the next resume point of `AutoResume(fname)` in `store`"
-    return max([checkpoint_number(e.name, fname) for e in entries(store, fname)] + [0]) + 1
+def holder_rank(store, name:str, src:int)->int:
+    "The rank to read the run's file `name` on: `src` if its node's `store` holds it, else the first whose node's does"
+    if not (dist.is_available() and dist.is_initialized()): return src
+    held = False
+    if int(os.environ.get('LOCAL_RANK', dist.get_rank())) == 0:   # one reader per node, as in the scan
+        try: held = any(e.name == name for e in store.ls())
+        except OSError as e: warnings.warn(f"AutoResume could not look for {name} in {store.url}: {e}")
+    mine = torch.tensor([held], dtype=torch.int64, device=group_device())
+    has = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(has, mine)
+    return next((r for r in (src, *range(len(has))) if has[r].item()), src)  # none: `src`, whose read names the file
 
 # %% ../nbs/02_checkpoints.ipynb #80b861c5
 class Writer:
