@@ -3,7 +3,8 @@ RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set) or alone: `elastic_t
 
 The training samples carry their index (the input value maps back to it), so each rank appends to OUT/ledger-{tag}-rank{R}.jsonl, after
 every training batch, the indices it trained with the epoch, batch, `pct_train` the batch was scheduled with and its learning rate: the
-sample ledger. At the end each rank writes OUT/result-{tag}-rank{R}.pt (weights, Recorder, schedule, tracker)."""
+sample ledger. At the end each rank writes OUT/result-{tag}-rank{R}.pt (weights, optimizer, Recorder, schedule,
+tracker). `--fine-tune` runs `learn.fine_tune(EPOCHS)` (two fit calls) on a model split in two, without the tracker."""
 import argparse, json, os, signal, sys, time
 from pathlib import Path
 import torch
@@ -14,6 +15,7 @@ p.add_argument('out')
 p.add_argument('--run', default='run')                 # the folder of resume points (under OUT): one per node in multi-node tests
 p.add_argument('--tag', default='run')                 # names the ledger and the result of this launch
 p.add_argument('--epochs', type=int, default=3)
+p.add_argument('--fine-tune', action='store_true')     # learn.fine_tune(EPOCHS): 1 epoch, first layer frozen; EPOCHS
 p.add_argument('--n', type=int, default=30)            # training samples (not a multiple of 2 or 3 batches of 4)
 p.add_argument('--bs', type=int, default=4)
 p.add_argument('--workers', type=int, default=0)
@@ -52,7 +54,8 @@ class Ledger(Callback):
         if self.train_iter == args.kill_at and attempt == 0 and args.kill_rank in (-1, rank):
             if args.kill_rank == -1 and dist.is_initialized(): dist.barrier()   # every rank past the write of the resume point
             os.kill(os.getpid(), signal.SIGKILL)
-    def after_fit(self): self.f.close()
+    def after_fit(self):   # a fit call that AutoResume skips (it finished in an earlier run) never opened the file
+        if (f := self.__dict__.pop('f', None)): f.close()
 
 trainer = DDPTrainer(timeout=args.timeout)
 set_seed(0)
@@ -64,10 +67,16 @@ xv = torch.randn(8, 1)
 valid = TfmdDL(list(zip(xv, 2*xv + 3)), bs=8)
 model = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
 torch.manual_seed(1000 + rank)   # each rank its own streams (dropout)
-tracker = SaveModelCallback(monitor='valid_loss')
+tracker = SaveModelCallback(monitor='valid_loss')   # its file is on rank 0's node: not in fine_tune, whose rank 0 moves
+def split(m): return [params(m[0]), params(m[3])]
 learn = Learner(DataLoaders(train, valid), model, loss_func=MSELossFlat(), path=out/args.run,
-                cbs=[trainer, AutoResume(every_iter=args.every, elastic=args.elastic), Ledger(), tracker])
-learn.fit_one_cycle(args.epochs, 1e-2)
-res = dict(model={k: v.clone() for k,v in learn.model.state_dict().items()}, values=learn.recorder.values, lrs=learn.recorder.lrs,
-           train_iter=learn.train_iter, pct_train=learn.pct_train, best=tracker.best, world_size=trainer.world_size)
+                splitter=split if args.fine_tune else trainable_params,
+                cbs=[trainer, AutoResume(every_iter=args.every, elastic=args.elastic), Ledger()]
+                    + ([] if args.fine_tune else [tracker]))
+if args.fine_tune: learn.fine_tune(args.epochs, 1e-2)
+else: learn.fit_one_cycle(args.epochs, 1e-2)
+rec = learn.recorder
+res = dict(model={k: v.clone() for k,v in learn.model.state_dict().items()}, opt=learn.opt.state_dict(),
+           values=rec.values, lrs=rec.lrs, losses=rec.losses, iters=rec.iters, train_iter=learn.train_iter,
+           pct_train=learn.pct_train, best=getattr(tracker, 'best', None), world_size=trainer.world_size)
 torch.save(res, out/f'result-{args.tag}-rank{rank}.pt')

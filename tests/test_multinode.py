@@ -1,12 +1,17 @@
 """Under real `torchrun`: two nodes on this machine without a shared folder (c10d rendezvous on a free loopback port, each node with its
 own folder), one node lost and both relaunched; and torchrun's own restarts (`--max-restarts`). Both end bit for bit as an uninterrupted
 2-rank run (made by forked ranks, which test_elastic.py shows train as torchrun's workers do). Every launch is bounded and its process
-group killed on timeout; torchrun workers pay `import fastai` each, so the launches are few and the data tiny."""
+group killed on timeout; torchrun workers pay `import fastai` each, so the launches are few and the data tiny.
+
+`fine_tune` (two fit calls) on two nodes made of forked ranks (`LOCAL_RANK` 0 on both, each its own folder, as
+scan_script.py does): killed in the second call, relaunched with rank 0 on the other node, then run again the other way
+round (issue 20)."""
 import glob, os, signal, time
 from pathlib import Path
 import pytest
 from helpers import PY, TESTS, start, finish, kill_group, load_result, diff_values
 from test_elastic import free_port, run
+from test_distributed import wait_ranks, why
 
 SCRIPT = TESTS/'elastic_train.py'
 TIMEOUT = 10   # the process-group timeout the script gives DDPTrainer
@@ -51,9 +56,11 @@ def kill_tree(p):
 def which_rank(out, tag): return 0 if (out/f'result-{tag}-rank0.pt').exists() else 1
 
 def assert_same(reference, results):
+    "Bitwise: weights, optimizer state, the Recorder (values, losses, learning rates), step counts"
     for ref,got in zip(reference, results):
-        d = diff_values(ref['model'], got['model'], 'model') + diff_values(ref['values'], got['values'], 'values') + diff_values(ref['lrs'], got['lrs'], 'lrs')
-        assert not d and ref['train_iter'] == got['train_iter'], d[:5]
+        keys = ('model', 'opt', 'values', 'losses', 'iters', 'lrs', 'train_iter', 'pct_train')
+        d = [x for k in keys for x in diff_values(ref[k], got[k], k)]
+        assert not d, d[:5]
 
 def test_two_nodes_no_shared_folder(tmp_path, reference):
     "Lose the node with rank 0 mid-epoch; the other fails with a clear error; relaunch both the other way round: rank 0 is now on the node without resume points"
@@ -99,3 +106,32 @@ def test_max_restarts(tmp_path, reference):
     assert len(glob.glob(f'{tmp_path}/logs/*/attempt_1')) == 1                       # one restart
     assert 'AutoResume: continuing from' in logs(tmp_path, 'stdout')
     assert_same(reference, [load_result(tmp_path/f'result-r-rank{r}.pt') for r in (0, 1)])
+
+def forked_nodes(forker, folders, *args, ok=True):
+    "A 2-node job of forked ranks: rank r is the one process of a node with folder `folders[r]`; `(rc, output)` of each"
+    port = free_port()
+    env = lambda r: dict(RANK=str(r), LOCAL_RANK='0', WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    res = wait_ranks([forker.start(SCRIPT, f, '--fine-tune', '--epochs', '2', '--timeout', TIMEOUT, *args, env=env(r))
+                      for r,f in enumerate(folders)], timeout=150)
+    if ok: assert all(rc == 0 for rc,_ in res), why(res)
+    return res
+
+def numbers(node): return sorted(int(f.stem.rpartition('-')[2]) for f in (node/'run'/'models').glob('autoresume-*.pth'))
+
+def test_fine_tune_rank0_moves(forker, tmp_path):
+    "fine_tune killed in its second fit call, the first call's end on node a only; rank 0 moves to node b, then back"
+    a,b,ref = tmp_path/'a',tmp_path/'b',tmp_path/'ref'
+    forked_nodes(forker, [ref/'a', ref/'b'], '--tag', 'ref')
+    reference = [load_result(ref/n/f'result-ref-rank{r}.pt') for r,n in enumerate('ab')]
+    res = forked_nodes(forker, [a, b], '--tag', 'k', '--kill-at', '6', ok=False)   # fit call 1 has 4 batches: in call 2
+    assert all(rc == -9 for rc,_ in res), why(res)
+    assert numbers(a) and not numbers(b)
+    res = forked_nodes(forker, [b, a], '--tag', 'moved')   # rank 0 on node b, which holds no resume point
+    assert 'fit call 1 finished in an earlier run' in res[0][1] and 'AutoResume: continuing from' in res[0][1], why(res)
+    assert_same(reference, [load_result(b/'result-moved-rank0.pt'), load_result(a/'result-moved-rank1.pt')])
+    assert min(numbers(b)) > max(numbers(a))   # the run's numbers: node b went on from node a's (before: from 1)
+    # the same command again, rank 0 back on node a: fit call 1's end is read on node a, though the newest file is on
+    # node b (before: read on node b, refused as missing)
+    res = forked_nodes(forker, [a, b], '--tag', 'again')
+    assert 'this run already finished' in res[0][1], why(res)
+    assert_same(reference, [load_result(a/'result-again-rank0.pt'), load_result(b/'result-again-rank1.pt')])
