@@ -15,7 +15,7 @@ p.add_argument('out')
 p.add_argument('--run', default='run')                 # the folder of resume points (under OUT): one per node in multi-node tests
 p.add_argument('--tag', default='run')                 # names the ledger and the result of this launch
 p.add_argument('--epochs', type=int, default=3)
-p.add_argument('--fine-tune', action='store_true')     # learn.fine_tune(EPOCHS): 1 epoch, first layer frozen; EPOCHS
+p.add_argument('--fine-tune', action='store_true')     # learn.fine_tune(EPOCHS): 1 epoch with layer 0 frozen, then EPOCHS
 p.add_argument('--n', type=int, default=30)            # training samples (not a multiple of 2 or 3 batches of 4)
 p.add_argument('--bs', type=int, default=4)
 p.add_argument('--workers', type=int, default=0)
