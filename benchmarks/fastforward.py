@@ -1,7 +1,7 @@
 "1. Fast-forward cost: time from `fit` start to the first trained batch when resuming at batch k of an epoch"
 import random, shutil, tempfile, time
 from fastai.callback.core import Callback, CancelBatchException, CancelFitException
-from resumable_train.learner import *
+from resumable_train.all import *
 from common import *
 
 class FirstBatch(Callback):

@@ -24,7 +24,7 @@ if not STOCK:
     import resumable_train
     from resumable_train.files import *
     from resumable_train.state import *
-    from resumable_train.learner import *
+    from resumable_train.all import *
 
 N_FEAT,N_CLS = 6,3
 
