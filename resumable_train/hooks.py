@@ -5,7 +5,7 @@
 # %% ../nbs/01_hooks.ipynb #fd997fb6
 from __future__ import annotations
 import hashlib, importlib.abc, importlib.machinery, inspect, io, math, os, sys, warnings
-from contextlib import redirect_stdout
+from contextlib import contextmanager, redirect_stdout
 from functools import wraps
 import fastai
 from fastcore.basics import patch, noop
@@ -33,12 +33,23 @@ _RELIED_ON = {  # what the package relies on, as fastai 2.8.8-2.8.12 write it: s
     'Learner.fit_one_cycle': 'e2ea8084f0fe', 'Learner.fit_flat_cos': '781c0977b26e', 'Learner.fit_sgdr': '43a0f3c91ff9',
     'Learner.fine_tune': '7565e3ce1d15', 'Callback.__call__': '0920595b5310', 'TrainEvalCallback.after_batch': 'da1ce445d3ea',
     'DataLoader.__iter__': 'd31a19eaa17e', 'DataLoader.create_batches': 'a2178e96cd63', 'DataLoader.get_idxs': 'c2227a694d87',
-    '_FakeLoader.__iter__': 'f39234f4c7cd'}
-_OWNERS = dict(Learner=Learner, Callback=Callback, TrainEvalCallback=TrainEvalCallback, DataLoader=DataLoader, _FakeLoader=_FakeLoader)
+    '_FakeLoader.__iter__': 'f39234f4c7cd',
+    # the batching `SeedBatches` re-implements, and the worker setup `WorkerSignals` wraps
+    'DataLoader.sample': '630c1af4ccae', 'DataLoader.chunkify': 'bf09bfe0f5fd', 'DataLoader.do_item': 'fccac713e915',
+    '_FakeLoader.__init__': '1530b54f903e',
+    # the `Recorder` whose lists the resume point saves and the history log packs
+    'Recorder.before_fit': 'e159c3a2e6a9', 'Recorder.after_batch': 'bc9c118320a4', 'Recorder.after_epoch': '74aeee0c3f56',
+    # the save and load the package replaces (`learner`), and what text learners did instead
+    'Learner.save': '6e7cbc8dfa6f', 'Learner.load': '94432abd9d4c', 'TextLearner.load': 'f19056c8bbfe',
+    'load_model_text': '5a324ff10d0d'}
+_OWNERS = dict(Learner=Learner, Callback=Callback, TrainEvalCallback=TrainEvalCallback, DataLoader=DataLoader,
+               _FakeLoader=_FakeLoader, Recorder=Recorder)
+_LATER = ('TextLearner.', 'load_model_text')  # in `fastai.text.learner`, checked when it is imported (see below)
 
 def _source_hash(f)->str: return hashlib.sha256(inspect.getsource(f).encode()).hexdigest()[:12]
 
-def _present(name:str)->bool: return hasattr(_OWNERS[name.split('.')[0]], name.split('.')[1])
+def _present(name:str)->bool:
+    return not name.startswith(_LATER) and hasattr(_OWNERS[name.split('.')[0]], name.split('.')[1])
 
 def fastai_changes(relied_on:dict=_RELIED_ON)->list:
     "The fastai methods the package relies on whose code differs from the fastai versions it was tested with (of those fastai has defined)"
@@ -47,7 +58,10 @@ def fastai_changes(relied_on:dict=_RELIED_ON)->list:
 def check_fastai(relied_on:dict=_RELIED_ON):
     "Raise `ImportError` if fastai's training loop differs from the one this package was tested with"
     changed = fastai_changes(relied_on)
-    if not changed: return
+    if changed: _refuse_fastai(changed)
+
+def _refuse_fastai(changed:list):
+    "Raise `ImportError` naming the fastai code in `changed` (a warning with `RESUMABLE_TRAIN_ANY_FASTAI=1`)"
     msg = (f"resumable_train was tested with fastai {_TESTED_FASTAI}; the installed fastai {fastai.__version__} has other code in "
            f"{', '.join(changed)}, so a resumed run might not end where an uninterrupted one ends. Install fastai>=2.8.8,<2.9, or set "
            "RESUMABLE_TRAIN_ANY_FASTAI=1 to try it anyway")
@@ -104,31 +118,75 @@ def when_imported(name:str, f):
     else: _after_import.todo[name] = f
 
 # %% ../nbs/01_hooks.ipynb #0915f9df
+def _plain(v):
+    "An argument of a fit call as the user wrote it, if it is a plain value: numbers, text, slices and lists of them"
+    if isinstance(v, (bool, int, float, str)) or v is None: return v
+    if isinstance(v, slice): return f"slice({v.start}, {v.stop})" if v.step is None else repr(v)
+    if isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v): return list(v)
+    if hasattr(v, 'tolist') and getattr(v, 'ndim', 1) == 0: return v.tolist()
+
+def _arguments(f, args, kwargs)->dict:
+    "The plain arguments of the call `f(learn, *args, **kwargs)`, by name, defaults left out"
+    try: bound = inspect.signature(f).bind(None, *args, **kwargs)
+    except TypeError: return {}
+    return {k: _plain(v) for k,v in list(bound.arguments.items())[1:] if _plain(v) is not None or v is None}
+
+@contextmanager
+def fit_call(learn, f, args, kwargs):
+    "Keep in `learn._fit_call` the outermost fit method the user called and its arguments, for `fit_plan` to show in the user's terms"
+    if '_fit_call' in learn.__dict__: yield; return
+    learn._fit_call = dict(name=f.__name__, args=_arguments(f, args, kwargs))
+    try: yield
+    finally: learn.__dict__.pop('_fit_call', None)
+
 def _start_through(f):
     "Let the `fit_*` method `f` pass `start_epoch` and `start_iter` on to `Learner.fit`"
     @wraps(f)
     def _fit(self, *args, start_epoch=0, start_iter=0, **kwargs):
         self._fit_start = (start_epoch, start_iter, f.__name__)
-        try: return f(self, *args, **kwargs)
+        try:
+            with fit_call(self, f, args, kwargs): return f(self, *args, **kwargs)
         finally: self.__dict__.pop('_fit_start', None)
     _fit._fastai = f
     return _fit
 
+def _noting_call(f):
+    "`f`, noting its call for `fit_plan`"
+    @wraps(f)
+    def _fit(self, *args, **kwargs):
+        with fit_call(self, f, args, kwargs): return f(self, *args, **kwargs)
+    _fit._fastai = f
+    return _fit
+
 def _wrap_schedules(module):
-    check_fastai({n: h for n,h in _RELIED_ON.items() if n in ('Learner.fit_one_cycle','Learner.fit_flat_cos','Learner.fit_sgdr','Learner.fine_tune')})
-    for n in ('fit_one_cycle','fit_flat_cos','fit_sgdr'):
+    check_fastai({n: h for n,h in _RELIED_ON.items()
+                  if n in ('Learner.fit_one_cycle','Learner.fit_flat_cos','Learner.fit_sgdr','Learner.fine_tune')})
+    for n in ('fit_one_cycle','fit_flat_cos','fit_sgdr','fine_tune'):
         f = getattr(Learner, n)
-        setattr(Learner, n, _start_through(getattr(f, '_fastai', f)))
+        setattr(Learner, n, (_noting_call if n == 'fine_tune' else _start_through)(getattr(f, '_fastai', f)))
 
 when_imported('fastai.callback.schedule', _wrap_schedules)
 
 # %% ../nbs/01_hooks.ipynb #5ebdb75b
-_bypassing = {'fastai.text.learner.TextLearner': ('load',)}  # fastai's overrides that do not call `Learner`'s
+def _text_load(self, file, with_opt=None, device=None, **kwargs):
+    "fastai's `TextLearner.load`, through `Learner.load`: without `with_opt`, no warning for a file without optimizer state"
+    return Learner.load(self, file, with_opt=with_opt, device=device, **kwargs)
+
+_REPLACING = {'fastai.text.learner.TextLearner': {'load': _text_load}}  # fastai's overrides that do not call `Learner`'s
+
+def _check_text(cls):
+    "Refuse a `fastai.text.learner` whose `TextLearner.load` or `load_model_text` differ from those `_text_load` keeps"
+    mod = sys.modules[cls.__module__]
+    now = {'TextLearner.load': vars(cls)['load'], 'load_model_text': getattr(mod, 'load_model_text', None)}
+    changed = [k for k,f in now.items() if f is None or _source_hash(f) != _RELIED_ON[k]]
+    if changed: _refuse_fastai(changed)
 
 def _adopt(cls):
-    "Remove the overrides of `cls` listed in `_bypassing`, so that `cls` uses the package's methods"
-    for n in _bypassing.get(qualname(cls), ()):
-        if n in vars(cls): delattr(cls, n)
+    "Replace the overrides of `cls` listed in `_REPLACING`, so that `cls` uses the package's methods"
+    for n,f in _REPLACING.get(qualname(cls), {}).items():
+        if vars(cls).get(n, f) is f: continue
+        if n == 'load': _check_text(cls)
+        setattr(cls, n, f)
 
 def _adopt_subclasses(cls, **kwargs):
     super(Learner, cls).__init_subclass__(**kwargs)

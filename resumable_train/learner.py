@@ -4,7 +4,7 @@
 
 # %% ../nbs/01g_learner.ipynb #9c54f1cd
 from __future__ import annotations
-import warnings
+import sys, warnings
 from functools import partial
 import torch
 from fastcore.basics import patch
@@ -17,7 +17,7 @@ from .state import *
 from .state import logged_histories
 from .store import is_url, locate
 from .errors import short_refusals
-from .hooks import FitEvents, fastai_code
+from .hooks import FitEvents, fastai_code, fit_call, is_a
 from .collectives import *
 from .collectives import world_size, read_on_rank0
 from .snapshot import *
@@ -62,6 +62,8 @@ def log_history(learn, ck, store, log:str)->callable|None:
 def _log_name(name:str)->str: return f"{name.removesuffix('.pth')}.history"
 
 # %% ../nbs/01g_learner.ipynb #21843219
+_stock_save = fastai_code('Learner.save')  # fastai's own (the version guard checks it)
+
 @patch
 def save(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or an fsspec URL (`s3://bucket/run1/model`)
          with_opt:bool=True, # save the optimizer state
@@ -87,6 +89,7 @@ def save(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
     out = store.save(ck, name, durable=durable, pickle_protocol=pickle_protocol)
     if start: start(durable=durable)
     return out
+Learner.save._fastai = _stock_save
 
 # %% ../nbs/01g_learner.ipynb #2a947840
 def _load_opt(opt, sd, file):
@@ -125,15 +128,22 @@ def _plan_resume(learn, rp, elastic)->bool:
 
 _loads = 0  # calls of the package's `Learner.load`: `_load_through` checks that a subclass's `load` reaches it
 
+def _model_state(learn, sd:dict)->dict:
+    "The model's weights `sd` to load into `learn`: a text learner's without the weight-dropout copies, as `load_model_text` loads them"
+    if not is_a(learn, 'fastai.text.learner.TextLearner'): return sd
+    return sys.modules['fastai.text.learner'].clean_raw_keys(dict(sd))
+
 def _check_load_kwargs(kwargs:dict):
     "Refuse, as fastai's `load` (through `torch.load`) does, a keyword argument `load` does not know: a misspelling must not pass unnoticed"
     bad = [k for k in kwargs if k not in ('weights_only', 'mmap')]
     if bad: raise TypeError(f"Learner.load() got an unexpected keyword argument {bad[0]!r}")
 
+_stock_load = fastai_code('Learner.load')  # fastai's own (the version guard checks it)
+
 @patch
 def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or an fsspec URL
          device=None, # where to put the tensors; the DataLoaders' device by default
-         with_opt:bool=True, # load the optimizer state
+         with_opt:bool|None=True, # load the optimizer state; `None` (`TextLearner`'s default): if the file has one, else say nothing
          with_iter:bool=True, # continue from the resume point, if the file holds one
          strict:bool=True, # as for `Module.load_state_dict`
          check_setup:bool=True, # refuse a resume point from a run with another setup
@@ -152,26 +162,28 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
     if self.opt is None: self.create_opt()
     file = _location(self, file)
     distrib_barrier()
-    if state is None: state = read_on_rank0(file, history=with_iter and with_opt)
+    opt = with_opt is not False
+    if state is None: state = read_on_rank0(file, history=with_iter and opt)
     if device is not None: state = to_device(state, device)
-    hasopt = set(state) == {'model','opt'}
-    try: get_model(self.model).load_state_dict(state['model'] if hasopt else state, strict=strict)
+    hasopt,rec = set(state) == {'model','opt'},resume_record(state)
+    try: get_model(self.model).load_state_dict(_model_state(self, state['model'] if hasopt else state), strict=strict)
     except RuntimeError as e: raise CheckpointError(f"{file} does not match this Learner's model: {e}") from e
-    rec = resume_record(state)
-    if with_opt and hasopt:
+    if opt and hasopt:
         if rec is not None: _load_opt(self.opt, state['opt'], file)
         else:
             try: self.opt.load_state_dict(state['opt'])
-            except Exception: warnings.warn("Could not load the optimizer state.")
+            except Exception:
+                if with_opt: warnings.warn("Could not load the optimizer state.")
     elif with_opt: warnings.warn("Saved file doesn't contain an optimizer state.")
     if not getattr(self, '_fitting', False) or self._event == 'before_fit':
         self.__dict__.pop('_resume', None)
-        if with_iter and with_opt and rec is not None and rec.get('epoch') is not None:
+        if with_iter and opt and rec is not None and rec.get('epoch') is not None:
             rp = dict(rec, file=str(file), check=check_setup, strict_hypers=strict_hypers, fresh=list(fresh_callbacks))
             if not _plan_resume(self, rp, elastic): _check_world(rec, file)
             self._resume = rp
         else: _plan_resume(self, None, elastic)
     return self
+Learner.load._fastai = _stock_load
 
 # %% ../nbs/01g_learner.ipynb #104acf89
 _stock_fit = fastai_code('Learner.fit')  # fastai's own, also once the package has patched it
@@ -190,7 +202,9 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
     if not any(isinstance(cb, SkipToIter) for cb in cbs+self.cbs): cbs += SkipToIter(start_epoch, start_iter)
     if not any(isinstance(cb, FitEvents) for cb in cbs+self.cbs): cbs += FitEvents()
     self._fitting,left = True,{id(cb): cb for cb in L(self.cbs)+cbs}  # `cbs` are gone from `self.cbs` when `fit` ends
-    try: _stock_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt)
+    try:
+        with fit_call(self, _stock_fit, (n_epoch,), {k: v for k,v in dict(lr=lr, wd=wd).items() if v is not None}):
+            _stock_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt)
     finally:
         self._fitting = False
         for cb in left.values():

@@ -37,7 +37,8 @@ def fit_plan(learn)->dict:
     sched = next((cb for cb in learn.cbs if is_a(cb, 'fastai.callback.schedule.ParamScheduler')), None)
     scheds = {k: [_number(f(p)) for p in _PCTS] for k,f in (sched.scheds.items() if sched else [])}
     hypers = [{k:v for k,v in h.items() if k not in scheds} for h in (learn.opt.hypers if learn.opt is not None else [])]
-    return to_plain(dict(schedule=scheds, hypers=hypers, loss=_settings(learn.loss_func), opt=_settings(learn.opt_func)))
+    return to_plain(dict(schedule=scheds, hypers=hypers, loss=_settings(learn.loss_func), opt=_settings(learn.opt_func),
+                         call=learn.__dict__.get('_fit_call')))  # the fit method as the user called it (`hooks.fit_call`)
 
 # %% ../nbs/01c_plans.ipynb #02eee549
 def fit_plan_once(learn)->dict:
@@ -64,21 +65,36 @@ def _txt(v):
     if x is None: return str(v)
     return f"{x[0].item():.4g}" if len(x) == 1 or bool((x == x[0]).all()) else '[' + ', '.join(f"{e:.4g}" for e in x.tolist()) + ']'
 
-def plan_changes(saved:dict|None, now:dict)->list:
-    "What differs between two `fit_plan`s, in words (nothing for a resume point written before plans were kept)"
-    if not saved: return []
+def _call_changes(saved:dict|None, now:dict|None)->list:
+    "What differs between two fit calls as the user wrote them (`fit_one_cycle(3, lr_max=1e-2)`), in words"
+    if not (saved and now): return []
+    if saved['name'] != now['name']: return [f"called as {saved['name']} before, {now['name']} now"]
+    a,b = saved['args'],now['args']
+    txt = lambda d,k: 'the default' if d.get(k) is None else _txt(d[k])
+    return [f"{k}: saved {txt(a, k)}, now {txt(b, k)}" for k in sorted(set(a) | set(b)) if not _same(a.get(k), b.get(k))]
+
+def _schedule_changes(saved:dict, now:dict)->list:
+    "What differs between the schedules and hyperparameters of two `fit_plan`s, as the optimizer sees them"
     out = []
     for k in sorted(set(saved['schedule']) | set(now['schedule'])):
         a,b = saved['schedule'].get(k),now['schedule'].get(k)
-        if a is None or b is None: out.append(f"{k}: {'scheduled' if a else 'not scheduled'} before, {'scheduled' if b else 'not scheduled'} now")
+        if a is None or b is None:
+            out.append(f"{k}: {'scheduled' if a else 'not scheduled'} before, {'scheduled' if b else 'not scheduled'} now")
         else: out += [f"{k} at {p:.0%} of the fit: saved {_txt(x)}, now {_txt(y)}" for p,x,y in zip(_PCTS, a, b) if not _same(x, y)][:1]
     hs,hn = saved['hypers'],now['hypers']
     if len(hs) != len(hn): out.append(f"parameter groups: saved {len(hs)}, now {len(hn)}")
     for k in sorted({k for h in hs+hn for k in h}):
         diff = [(g, a.get(k), b.get(k)) for g,(a,b) in enumerate(zip(hs, hn)) if not _same(a.get(k), b.get(k))]
-        if diff: out.append(f"{k}{f' (group {diff[0][0]})' if len(hs) > 1 else ''}: saved {_txt(diff[0][1])}, now {_txt(diff[0][2])}")
-    out += [f"{n}: saved {saved[k]}, now {now[k]}" for k,n in (('loss', 'loss function'), ('opt', 'optimizer')) if saved[k] != now[k]]
+        if diff:
+            group = f' (group {diff[0][0]})' if len(hs) > 1 else ''
+            out.append(f"{k}{group}: saved {_txt(diff[0][1])}, now {_txt(diff[0][2])}")
     return out
+
+def plan_changes(saved:dict|None, now:dict)->list:
+    "What differs between two `fit_plan`s, in words: in the fit call's arguments where both plans know them (nothing for a resume point written before plans were kept)"
+    if not saved: return []
+    out = _call_changes(saved.get('call'), now.get('call')) or _schedule_changes(saved, now)
+    return out + [f"{n}: saved {saved[k]}, now {now[k]}" for k,n in (('loss', 'loss function'), ('opt', 'optimizer')) if saved[k] != now[k]]
 
 def check_plan(saved, now, file, strict=False):
     "Warn, or with `strict` refuse, when the fit call continuing the resume point in `file` was asked for other hyperparameters"

@@ -152,11 +152,11 @@ def test_changed_lr(forker, refs, tmp_path):
     files = {p.name: p.read_bytes() for p in (run/'models').glob('*.pth')}
     rc,lines = run_until(forker, SCRIPT, [out, '--lr', '3e-2', '--strict'], cwd=run)
     t = text(lines)
-    assert rc != 0 and 'was asked for other hyperparameters' in t and 'lr at 0% of the fit: saved 0.0004, now 0.0012' in t, t[-2000:]
+    assert rc != 0 and 'was asked for other hyperparameters' in t and '(lr_max: saved 0.01, now 0.03)' in t, t[-2000:]
     assert 'To continue it, undo the change; to start fresh, delete' in t and batches(lines) == []
     assert {p.name: p.read_bytes() for p in (run/'models').glob('*.pth')} == files
     lines = run_to_end(forker, SCRIPT, [out, '--lr', '3e-2'], cwd=run)
-    assert 'lr at 0% of the fit: saved 0.0004, now 0.0012' in text(lines) and 'matches neither run' in text(lines)
+    assert '(lr_max: saved 0.01, now 0.03)' in text(lines) and 'matches neither run' in text(lines)
 
 def test_two_launches_one_folder(forker, refs, tmp_path):
     "A second launch in the folder of a running one is refused at once, naming the process; with `wait` it waits, then trains nothing"
