@@ -32,7 +32,7 @@ short_refusals()  # a refusal or a stop that ends a script shows its message, no
 
 # %% ../nbs/01g_learner.ipynb #db60c2a6
 def _location(learn, file):
-    "Where `file` is: an fsspec URL as it is, else in `learn.path/learn.model_dir` as fastai has it; with `.pth` added, as fastai adds it"
+    "Where `file` is: an fsspec URL as it is, else in `learn.path/learn.model_dir`; with `.pth` added, as fastai does"
     return f"{file}.pth" if is_url(str(file)) else join_path_file(file, learn.path/learn.model_dir, ext='.pth')
 
 def _at(d, path):
@@ -43,14 +43,17 @@ def _at(d, path):
 def _n_rows(packed:dict)->int: return len(next(iter(packed.values())))
 
 def log_history(learn, ck, store, log:str)->callable|None:
-    "Move the per-batch histories in checkpoint `ck` (the Recorder's, a `ParamScheduler`'s) to the log `log` of a local `store`, appending the rows it lacks; if it cannot, the function that starts the log once `ck` is written"
+    "Move `ck`'s per-batch histories to the log `log` of a local `store`, or return what starts the log later"
+    # the Recorder's and a `ParamScheduler`'s histories: the rows the log lacks are appended; a new log is started by
+    # the function returned, once `ck` is written
     cbs = (resume_record(ck) or {}).get('callbacks')
     if not store.local or not isinstance(cbs, dict): return None
     hs = logged_histories(learn)
     packed = {p: v for p in hs if isinstance(v := _at(cbs, p), dict)}
     if ('recorder', 'lrs') not in packed: return None
     n = _n_rows(packed[('recorder', 'lrs')])
-    packed = {'/'.join(p): v for p,v in packed.items() if _n_rows(v) == n}  # a row per batch in the log; any other history stays in the file
+    # a row per batch in the log; any other history stays in the file
+    packed = {'/'.join(p): v for p,v in packed.items() if _n_rows(v) == n}
     owner,log = log_owner(hs, packed),store.where(log)
     ref = append_history(log, packed, owner)
     if ref is None: return partial(start_history, log, packed, owner)
@@ -65,7 +68,7 @@ def _log_name(name:str)->str: return f"{name.removesuffix('.pth')}.history"
 _stock_save = fastai_code('Learner.save')  # fastai's own (the version guard checks it)
 
 @patch
-def save(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or an fsspec URL (`s3://bucket/run1/model`)
+def save(self:Learner, file, # a name in `learn.path/learn.model_dir`, a path, or an fsspec URL (`s3://bkt/run/model`)
          with_opt:bool=True, # save the optimizer state
          with_iter:bool=True, # save the resume point (needs `with_opt`)
          durable:bool=True, # fsync the file and its folder
@@ -83,7 +86,8 @@ def save(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
             save_model(file, self.model, getattr(self,'opt',None), with_opt=with_opt, pickle_protocol=pickle_protocol)
             return file
         sd = get_model(self.model).state_dict()  # the two forms of a stock fastai file
-        return store.save({'model': sd, 'opt': self.opt.state_dict()} if with_opt and self.opt is not None else sd, name, pickle_protocol=pickle_protocol)
+        obj = {'model': sd, 'opt': self.opt.state_dict()} if with_opt and self.opt is not None else sd
+        return store.save(obj, name, pickle_protocol=pickle_protocol)
     ck = checkpoint(self, extra=extra)
     start = log_history(self, ck, store, _log_name(name))
     out = store.save(ck, name, durable=durable, pickle_protocol=pickle_protocol)
@@ -100,7 +104,8 @@ def _load_opt(opt, sd, file):
         if len(sd['hypers']) != len(opt.param_lists) or saved != len(ps):
             raise CheckpointError(f"{file}: the optimizer state has {saved} parameters in {len(sd['hypers'])} groups; "
                                   f"this Learner's optimizer has {len(ps)} in {len(opt.param_lists)}")
-        bad = [f"parameter {i} {tuple(p.shape)}: saved {k} {tuple(v.shape)}" for i,(p,s) in enumerate(zip(ps, sd['state']))
+        bad = [f"parameter {i} {tuple(p.shape)}: saved {k} {tuple(v.shape)}"
+               for i,(p,s) in enumerate(zip(ps, sd['state']))
                for k,v in s.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape]
         if bad: raise CheckpointError(f"{file}: the optimizer state does not match this model: {'; '.join(bad[:5])}")
     opt.load_state_dict({k:v for k,v in sd.items() if k != 'resume'})
@@ -109,11 +114,11 @@ def _load_opt(opt, sd, file):
 
 # %% ../nbs/01g_learner.ipynb #206f7ec2
 def world_error(file, saved, now):
-    return CheckpointError(f"{file} holds a resume point of a run on {saved} process(es); this run has {now}. Another world size would not "
-        f"continue the same run bit for bit (other shards, batch positions and random streams): relaunch with {saved} process(es) "
-        f"(torchrun --nproc_per_node ...); or continue it on {now} with elastic=True (AutoResume(elastic=True), learn.load(..., elastic=True), "
-        "with DDPTrainer), which trains the rest of the epoch's samples in other batches; or load it with with_iter=False to start "
-        "a new run from its weights")
+    return CheckpointError(f"{file} holds a resume point of a run on {saved} process(es); this run has {now}. Another "
+        "world size would not continue the same run bit for bit (other shards, batch positions and random streams): "
+        f"relaunch with {saved} process(es) (torchrun --nproc_per_node ...); or continue it on {now} with elastic=True "
+        "(AutoResume(elastic=True), learn.load(..., elastic=True), with DDPTrainer), which trains the rest of the "
+        "epoch's samples in other batches; or load it with with_iter=False to start a new run from its weights")
 
 # %% ../nbs/01g_learner.ipynb #de796443
 def _check_world(rec, file):
@@ -129,12 +134,12 @@ def _plan_resume(learn, rp, elastic)->bool:
 _loads = 0  # calls of the package's `Learner.load`: `_load_through` checks that a subclass's `load` reaches it
 
 def _model_state(learn, sd:dict)->dict:
-    "The model's weights `sd` to load into `learn`: a text learner's without the weight-dropout copies, as `load_model_text` loads them"
+    "The weights `sd` to load into `learn`: a text learner's without weight-dropout copies, as in `load_model_text`"
     if not is_a(learn, 'fastai.text.learner.TextLearner'): return sd
     return sys.modules['fastai.text.learner'].clean_raw_keys(dict(sd))
 
 def _check_load_kwargs(kwargs:dict):
-    "Refuse, as fastai's `load` (through `torch.load`) does, a keyword argument `load` does not know: a misspelling must not pass unnoticed"
+    "Refuse, as fastai's `load` (through `torch.load`) does, a keyword argument `load` does not know (a misspelling)"
     bad = [k for k in kwargs if k not in ('weights_only', 'mmap')]
     if bad: raise TypeError(f"Learner.load() got an unexpected keyword argument {bad[0]!r}")
 
@@ -143,15 +148,15 @@ _stock_load = fastai_code('Learner.load')  # fastai's own (the version guard che
 @patch
 def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or an fsspec URL
          device=None, # where to put the tensors; the DataLoaders' device by default
-         with_opt:bool|None=True, # load the optimizer state; `None` (`TextLearner`'s default): if the file has one, else say nothing
+         with_opt:bool|None=True, # load the optimizer state; `None` (`TextLearner`'s default): if there is one
          with_iter:bool=True, # continue from the resume point, if the file holds one
          strict:bool=True, # as for `Module.load_state_dict`
          check_setup:bool=True, # refuse a resume point from a run with another setup
-         strict_hypers:bool|None=False, # when the next fit was asked for other hyperparameters than the resume point's: refuse (True), warn (False), say nothing (None)
+         strict_hypers:bool|None=False, # other hyperparameters in the next fit: refuse (True), warn (False), or allow
          elastic:bool=False, # continue a resume point written with another number of processes (see `DDPTrainer`)
          state:dict|None=None, # the checkpoint, already read (sent by another rank); `file` then only names it
-         fresh_callbacks=(), # callbacks added since the resume point was written, which start afresh (by default refused)
-         **kwargs # `torch.load`'s `weights_only` and `mmap`, which change nothing: loading is always `weights_only=True`
+         fresh_callbacks=(), # callbacks added since the resume point was written: they start afresh (else refused)
+         **kwargs # `torch.load`'s `weights_only` and `mmap`, which change nothing: always `weights_only=True`
         ):
     "Load model and optimizer state from `learn.path/learn.model_dir/file`; the next `fit` continues a resume point"
     global _loads
@@ -208,14 +213,16 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
     finally:
         self._fitting = False
         for cb in left.values():
-            if hasattr(type(cb), 'left_fit'): cb.left_fit()  # whatever way `fit` ends: fastai sends no `after_fit` after an exception
+            # whatever way `fit` ends: fastai sends no `after_fit` after an exception
+            if hasattr(type(cb), 'left_fit'): cb.left_fit()
 Learner.fit._fastai = _stock_fit
 
 # %% ../nbs/01g_learner.ipynb #c8b92326
 def bypassed(learn, name):
-    return TypeError(f"{type(learn).__qualname__}.{name} does not call Learner.{name}, which resuming needs (AutoResume calls "
-                     f"`learn.load(file, with_iter=...)` and continues inside `Learner.fit`); make it call `super().{name}(...)`, passing on "
-                     "the keyword arguments it does not use")
+    "The error for a subclass of `Learner` whose method `name` does not reach `Learner`'s"
+    return TypeError(f"{type(learn).__qualname__}.{name} does not call Learner.{name}, which resuming needs "
+                     "(AutoResume calls `learn.load(file, with_iter=...)` and continues inside `Learner.fit`); make it "
+                     f"call `super().{name}(...)`, passing on the keyword arguments it does not use")
 
 def load_through(learn, file, **kwargs):
     "`learn.load(file, **kwargs)`, refusing a subclass's `load` that does not reach the package's `Learner.load`"

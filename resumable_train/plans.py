@@ -19,30 +19,34 @@ __all__ = ['fit_plan']
 _PCTS = (0., .1, .25, .5, .75, .9, 1.)
 
 def _settings(o, depth=2)->str:
-    "A function's or object's name and its plain settings, such as `Adam(eps=1e-05)` or `FlattenedLoss(CrossEntropyLoss(...), axis=-1)`"
-    if isinstance(o, partial): return f"{_settings(o.func)}({', '.join(f'{k}={v!r}' for k,v in sorted(o.keywords.items()))})"
+    "A function's or object's name and settings: `Adam(eps=1e-05)`, `FlattenedLoss(CrossEntropyLoss(...), axis=-1)`"
+    if isinstance(o, partial):
+        return f"{_settings(o.func)}({', '.join(f'{k}={v!r}' for k,v in sorted(o.keywords.items()))})"
     name = getattr(o, '__qualname__', None) or type(o).__name__
-    if isinstance(o, type) or callable(o) and not hasattr(o, '__dict__') or inspect.isroutine(o) or not depth: return name
+    if isinstance(o, type) or callable(o) and not hasattr(o, '__dict__') or inspect.isroutine(o) or not depth:
+        return name
     vs = sorted((k,v) for k,v in vars(o).items() if not k.startswith('_') and k != 'training')
     parts = [_settings(v, depth-1) for k,v in vs if isinstance(v, nn.Module) or k == 'func']
     parts += [f"{k}={v!r}" for k,v in vs if isinstance(v, (bool, int, float, str, type(None)))]
     return f"{type(o).__name__}({', '.join(parts)})"
 
 def _number(v):
-    "A schedule's value as python numbers (fastai's schedules give tensors, each of which would be one more record in the file)"
+    "A schedule's value as python numbers (fastai's schedules give tensors: each would be one more record in the file)"
     return v.tolist() if isinstance(v, (torch.Tensor, np.ndarray)) else to_plain(v)
 
 def fit_plan(learn)->dict:
-    "What the running fit call was asked to do beyond its setup: hyperparameters and their schedules, loss function, optimizer"
+    "What the running fit call was asked to do beyond its setup: its call, hyperparameters, schedules, loss, optimizer"
     sched = next((cb for cb in learn.cbs if is_a(cb, 'fastai.callback.schedule.ParamScheduler')), None)
     scheds = {k: [_number(f(p)) for p in _PCTS] for k,f in (sched.scheds.items() if sched else [])}
-    hypers = [{k:v for k,v in h.items() if k not in scheds} for h in (learn.opt.hypers if learn.opt is not None else [])]
-    return to_plain(dict(schedule=scheds, hypers=hypers, loss=_settings(learn.loss_func), opt=_settings(learn.opt_func),
-                         call=learn.__dict__.get('_fit_call')))  # the fit method as the user called it (`hooks.fit_call`)
+    hs = learn.opt.hypers if learn.opt is not None else []
+    hypers = [{k:v for k,v in h.items() if k not in scheds} for h in hs]
+    call = learn.__dict__.get('_fit_call')  # the fit method as the user called it (`hooks.fit_call`)
+    loss,opt = _settings(learn.loss_func),_settings(learn.opt_func)
+    return to_plain(dict(schedule=scheds, hypers=hypers, loss=loss, opt=opt, call=call))
 
 # %% ../nbs/01c_plans.ipynb #02eee549
 def fit_plan_once(learn)->dict:
-    "`fit_plan` of the running fit call, worked out at its first resume point: evaluating the schedules costs more than the rest of a snapshot"
+    "`fit_plan` of the running fit call, worked out once: the schedules cost more than the rest of a snapshot"
     ev = fit_events(learn)
     if ev is None: return fit_plan(learn)
     if ev.plan is None: ev.plan = fit_plan(learn)
@@ -51,11 +55,12 @@ def fit_plan_once(learn)->dict:
 # %% ../nbs/01c_plans.ipynb #72136fc7
 def _numeric(v): return isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool)
 def _nums(v):
-    "A number, tensor or list of numbers (a value per parameter group) as a flat float64 tensor; `None` for anything else"
-    return torch.as_tensor(v, dtype=torch.float64).flatten() if _numeric(v) or (isinstance(v, list) and v and all(map(_numeric, v))) else None
+    "A number, tensor or list of numbers (a value per parameter group) as a flat float64 tensor, else `None`"
+    if not (_numeric(v) or (isinstance(v, list) and v and all(map(_numeric, v)))): return None
+    return torch.as_tensor(v, dtype=torch.float64).flatten()
 
 def _same(a, b):
-    "Equal values; numbers equal whether a scalar, a one-group array or one value per group (`lr_max=1e-2` or `array([1e-2])`)"
+    "Equal values; numbers equal as a scalar, a one-group array or a value per group (`lr_max=1e-2`, `array([1e-2])`)"
     x,y = _nums(a),_nums(b)
     if x is None or y is None: return type(a) == type(b) and a == b
     return (len(x) == len(y) or 1 in (len(x), len(y))) and bool((x == y).all())
@@ -63,7 +68,8 @@ def _same(a, b):
 def _txt(v):
     x = _nums(v)
     if x is None: return str(v)
-    return f"{x[0].item():.4g}" if len(x) == 1 or bool((x == x[0]).all()) else '[' + ', '.join(f"{e:.4g}" for e in x.tolist()) + ']'
+    if len(x) == 1 or bool((x == x[0]).all()): return f"{x[0].item():.4g}"
+    return '[' + ', '.join(f"{e:.4g}" for e in x.tolist()) + ']'
 
 def _call_changes(saved:dict|None, now:dict|None)->list:
     "What differs between two fit calls as the user wrote them (`fit_one_cycle(3, lr_max=1e-2)`), in words"
@@ -71,16 +77,18 @@ def _call_changes(saved:dict|None, now:dict|None)->list:
     if saved['name'] != now['name']: return [f"called as {saved['name']} before, {now['name']} now"]
     a,b = saved['args'],now['args']
     txt = lambda d,k: 'the default' if d.get(k) is None else _txt(d[k])
-    return [f"{k}: saved {txt(a, k)}, now {txt(b, k)}" for k in sorted(set(a) | set(b)) if not _same(a.get(k), b.get(k))]
+    return [f"{k}: saved {txt(a, k)}, now {txt(b, k)}" for k in sorted(set(a) | set(b))
+            if not _same(a.get(k), b.get(k))]
 
 def _schedule_changes(saved:dict, now:dict)->list:
     "What differs between the schedules and hyperparameters of two `fit_plan`s, as the optimizer sees them"
     out = []
     for k in sorted(set(saved['schedule']) | set(now['schedule'])):
         a,b = saved['schedule'].get(k),now['schedule'].get(k)
-        if a is None or b is None:
-            out.append(f"{k}: {'scheduled' if a else 'not scheduled'} before, {'scheduled' if b else 'not scheduled'} now")
-        else: out += [f"{k} at {p:.0%} of the fit: saved {_txt(x)}, now {_txt(y)}" for p,x,y in zip(_PCTS, a, b) if not _same(x, y)][:1]
+        was,now_ = 'scheduled' if a else 'not scheduled','scheduled' if b else 'not scheduled'
+        if a is None or b is None: out.append(f"{k}: {was} before, {now_} now")
+        else: out += [f"{k} at {p:.0%} of the fit: saved {_txt(x)}, now {_txt(y)}"
+                      for p,x,y in zip(_PCTS, a, b) if not _same(x, y)][:1]
     hs,hn = saved['hypers'],now['hypers']
     if len(hs) != len(hn): out.append(f"parameter groups: saved {len(hs)}, now {len(hn)}")
     for k in sorted({k for h in hs+hn for k in h}):
@@ -91,15 +99,17 @@ def _schedule_changes(saved:dict, now:dict)->list:
     return out
 
 def plan_changes(saved:dict|None, now:dict)->list:
-    "What differs between two `fit_plan`s, in words: in the fit call's arguments where both plans know them (nothing for a resume point written before plans were kept)"
-    if not saved: return []
+    "What differs between two `fit_plan`s, in words: the call's arguments where both plans keep them, or the schedules"
+    if not saved: return []  # a resume point written before plans were kept
     out = _call_changes(saved.get('call'), now.get('call')) or _schedule_changes(saved, now)
-    return out + [f"{n}: saved {saved[k]}, now {now[k]}" for k,n in (('loss', 'loss function'), ('opt', 'optimizer')) if saved[k] != now[k]]
+    parts = (('loss', 'loss function'), ('opt', 'optimizer'))
+    return out + [f"{n}: saved {saved[k]}, now {now[k]}" for k,n in parts if saved[k] != now[k]]
 
 def check_plan(saved, now, file, strict=False):
-    "Warn, or with `strict` refuse, when the fit call continuing the resume point in `file` was asked for other hyperparameters"
+    "Warn, or with `strict` refuse, when the fit call continuing `file` was asked for other hyperparameters"
     ch = plan_changes(saved, now)
     if not ch: return
     msg = f"{file} was written by a fit call with other hyperparameters ({'; '.join(ch)})"
     if strict: raise CheckpointError(f"{msg}. Undo the change to continue it, or delete the file to start fresh")
-    warnings.warn(f"{msg}; continuing anyway, so the result matches neither run (strict_hypers=True refuses)", stacklevel=2)
+    warnings.warn(f"{msg}; continuing anyway, so the result matches neither run (strict_hypers=True refuses)",
+                  stacklevel=2)
