@@ -246,7 +246,6 @@ def _demo(a)->int:
     except KeyboardInterrupt:
         if not learn.auto_resume.stopped: raise
         return 130
-    if learn.auto_resume.skipped: print(f"This run had already finished; delete {a.dir} to train again.")
     print(f"accuracy {learn.recorder.values[-1][-1]:.4f}, weights {weights_digest(learn.model)} "
           "(an uninterrupted run ends with the same digest)")
     return 0
