@@ -1,4 +1,5 @@
-"The README's API table says what the code has: every signature it shows is the real one, and no public name is missing from it."
+"""The README says what the code and the notebooks have: its API table (every signature the real one, no public name missing), index's
+sections word for word, and links that go somewhere."""
 import ast, difflib, importlib, inspect, json, re
 import pytest
 from helpers import ROOT
@@ -104,3 +105,14 @@ def test_readme_is_index():
         if ours[h] != text:
             diff = difflib.unified_diff(ours[h].splitlines(), text.splitlines(), 'README.md', 'nbs/index.ipynb', lineterm='', n=1)
             raise AssertionError(f"section {h or '(before the first heading)'!r} differs:\n" + '\n'.join(diff))
+
+def test_links():
+    "The README's links to files go to files of this repository, index links every notebook, and no link names a site that does not exist"
+    readme = (ROOT/'README.md').read_text()
+    for target in re.findall(r'\]\(([^)#\s]+)[^)]*\)', readme):
+        if not re.match(r'https?://', target): assert (ROOT/target).exists(), f"the README links to {target}, which does not exist"
+    linked = set(re.findall(r'\]\(([\w.]+\.ipynb)\)', _index_md()))
+    for nb in (ROOT/'nbs').glob('*.ipynb'):
+        if nb.name not in ('index.ipynb', '09_all.ipynb'): assert nb.name in linked, f"index's notebook table does not list {nb.name}"
+    for text in (readme, _index_md()):
+        assert not re.search(r'github\.com/resumable-train|resumable-train\.github\.io', text), "a link to a repository or site that does not exist"
