@@ -11,8 +11,9 @@ timings, memory addresses, the warnings that installed libraries print) and comp
 whose outputs differ fails, with a diff. With `--update`, the new outputs are written into the notebooks instead (then run
 `nbdev-clean`): `bash tests/run.sh --update-outputs` does both, and is how the outputs are regenerated after a change. The notebooks in
 `VARYING` (tutorials that stop processes at moments that vary from run to run) are compared after `loosen` too: every number, the
-positions in a run and the runs of spaces masked, the plots' pixels left out; their words, their lines and the order of them still
-have to match, so that a message whose wording changed fails as in any other notebook.
+positions in a run and the runs of spaces masked, the plots' pixels left out, and each output's lines in any order (a process stopped a
+batch later can print an epoch's row before its restart rather than after); their words and their lines still have to match, so that
+a message whose wording changed fails as in any other notebook.
 Progress bars are off (`fastprogress.NO_BAR`): the epoch tables stay, without the bars' timings.
 Each notebook starts with python's, numpy's and torch's random streams seeded (0), with PYTHONHASHSEED=0 and one thread per op, so that
 the numbers it prints are the same in every run on one machine. Nothing is written to disk but the notebooks, and only with `--update`.
@@ -61,13 +62,15 @@ def loosen(text:str)->str:
     for pat,rep in _LOOSE: text = re.sub(pat, rep, text)
     return text
 
+def _loose_lines(text)->list:
+    "`text` loosened, as its lines in sorted order"
+    return sorted(l + '\n' for l in loosen(''.join(text) if isinstance(text, list) else str(text)).splitlines())
+
 def _loose_out(o):
-    "A normalised cell output, loosened: its text with `loosen`, an image replaced by its kind"
+    "A normalised cell output, loosened: its text as `_loose_lines`, an image replaced by its kind"
     o = dict(o)
-    if 'text' in o: o['text'] = loosen(''.join(o['text'])).splitlines(keepends=True)
-    if 'data' in o:
-        o['data'] = {k:('<image>' if k.startswith('image/') else loosen(''.join(v) if isinstance(v, list) else str(v)).splitlines(True))
-                     for k,v in o['data'].items()}
+    if 'text' in o: o['text'] = _loose_lines(o['text'])
+    if 'data' in o: o['data'] = {k:('<image>' if k.startswith('image/') else _loose_lines(v)) for k,v in o['data'].items()}
     return o
 
 def _walk(o):
