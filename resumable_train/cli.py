@@ -139,7 +139,7 @@ def _table(info)->str:
     if p is None: rows.append(('position', _where(info)))
     else:
         rows += [('position', f"{_pos(p)} (numbered as the progress bar: epochs and batches from 1)"),
-                 ('trained', f"{p['train_iter']} batches (train_iter)"),
+                 ('trained', f"{p['train_iter']} batch{'es'*(p['train_iter'] != 1)} (train_iter)"),
                  ('schedule', f"pct_train {p['pct_train']:.6f}")]
     elastic = info['world_size'] == 1 or info.get('elastic')  # one process: the position is its batch
     rows.append(('processes', f"{info['world_size']} (world size); " + ("another number continues it with elastic=True" if elastic else
@@ -170,7 +170,7 @@ def _history(a)->int:
     except (OSError, ValueError) as e: return _err(f"{a.path} {e}")
     part = f"; then {h['partial_bytes']} bytes of a row cut short (no resume point refers to them)" if h['partial_bytes'] else ''
     if a.json: print(json.dumps(dict(file=str(a.path), valid=True, kind='history', **h), indent=1))
-    else: print(_rows([('file', str(a.path)), ('holds', f"a history log: {h['rows']:,} rows of the per-batch history of a fit call{part}"),
+    else: print(_rows([('file', str(a.path)), ('holds', f"a history log: {h['rows']:,} row{'s'*(h['rows'] != 1)} of the per-batch history of a fit call{part}"),
                        ('columns', ', '.join(h['columns'])),
                        ('used by', "the resume points next to it, each up to the row it names; inspect one of them for the run's position")]))
     return 0
@@ -239,14 +239,13 @@ def _demo(a)->int:
             if self.training and self.secs: time.sleep(self.secs)
     torch.set_num_threads(1)
     learn = digits_learner(a.dir.absolute(), cbs=[AutoResume(), _Pause(a.pause)])
-    print(f"Training a small CNN on scikit-learn's digits for {a.epochs} epochs, with resume points in {learn.path/learn.model_dir}.\n"
+    print(f"Training a small CNN on scikit-learn's digits for {a.epochs} epoch{'s'*(a.epochs != 1)}, with resume points in {learn.path/learn.model_dir}.\n"
           "Press Ctrl-C at any time, then run the same command again: it continues from the exact batch.")
     try: learn.fit_one_cycle(a.epochs, 3e-2)
     except CheckpointError as e: return _err(str(e).splitlines()[-1].strip())  # without the line fastai adds about the event
     except KeyboardInterrupt:
         if not learn.auto_resume.stopped: raise
         return 130
-    if learn.auto_resume.skipped: print(f"This run had already finished; delete {a.dir} to train again.")
     print(f"accuracy {learn.recorder.values[-1][-1]:.4f}, weights {weights_digest(learn.model)} "
           "(an uninterrupted run ends with the same digest)")
     return 0

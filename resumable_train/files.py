@@ -147,7 +147,7 @@ def _tensor(v, field, dtype=None, shape=None, lo=None, hi=None):
 def _mt_state(v, field, n, version):
     "A Mersenne Twister state as `rng_state` stores it: `[version, n words (and the position), ...]`"
     _of(v, field, list, tuple)
-    if len(v) < 3: _fail(field, f"has {len(v)} items, not at least 3")
+    if len(v) < 3: _fail(field, f"has {len(v)} item{'s'*(len(v) != 1)}, not at least 3")
     _int(v[0], f"{field}[0]", version, version) if _is_int(version) else _of(v[0], f"{field}[0]", str)
     _tensor(v[1], f"{field}[1]", torch.int64, (n,), 0, 2**32-1)
 
@@ -166,7 +166,7 @@ def _rng(v, field='rng'):
     _py_rng(v.get('random_state'), f'{field}.random_state')
     ns = v.get('numpy_state')
     _mt_state(ns, f'{field}.numpy_state', 624, 'MT19937')
-    if len(ns) != 5: _fail(f'{field}.numpy_state', f"has {len(ns)} items, not 5")
+    if len(ns) != 5: _fail(f'{field}.numpy_state', f"has {len(ns)} item{'s'*(len(ns) != 1)}, not 5")
     _int(ns[2], f'{field}.numpy_state[2]', 0, 624); _int(ns[3], f'{field}.numpy_state[3]', 0, 1)
     if not _is_num(ns[4]): _fail(f'{field}.numpy_state[4]', f"is {ns[4]!r}, not a number")
     _tensor(v.get('torch_state'), f'{field}.torch_state', torch.uint8)
@@ -201,7 +201,7 @@ def _position(r):
     if not _is_num(pct) or not 0 <= pct <= 1 + 1e-9: _fail('pct_train', f"is {pct!r}, not a number in [0, 1]")
     done = (ep*n_iter + it)/(n_epoch*n_iter) if n_iter else 0
     lo = done if it else max(0, ep-1)/n_epoch  # an epoch that a callback cut short ends before its last batch
-    if not lo - 1e-6 <= pct <= done + 1e-6: _fail('pct_train', f"is {pct}, but epoch {ep}, batch {it} of {n_epoch} epochs of {n_iter} batches is at {done:.6f}")
+    if not lo - 1e-6 <= pct <= done + 1e-6: _fail('pct_train', f"is {pct}, but epoch {ep}, batch {it} of {n_epoch} epoch{'s'*(n_epoch != 1)} of {n_iter} batches is at {done:.6f}")
     if it:
         er = _of(r.get('epoch_rng'), 'epoch_rng', dict)
         _tensor(er.get('torch'), 'epoch_rng.torch', torch.uint8)
@@ -231,7 +231,7 @@ def _history(r):
         if k not in rec: continue
         h = rec[k]['stack'] if isinstance(rec[k], dict) and 'stack' in rec[k] else rec[k].get('float64') if isinstance(rec[k], dict) else rec[k]
         if not isinstance(h, (torch.Tensor, list)): _fail(f'callbacks.recorder.{k}', f"is a {type(h).__name__}, not a history")
-        if _is_int(n) and len(h) > n: _fail(f'callbacks.recorder.{k}', f"holds {len(h)} batches, more than train_iter {n}")
+        if _is_int(n) and len(h) > n: _fail(f'callbacks.recorder.{k}', f"holds {len(h)} batch{'es'*(len(h) != 1)}, more than train_iter {n}")
     for k in ('values', 'iters'):
         if k in rec: _of(rec[k], f'callbacks.recorder.{k}', list)
     for i,row in enumerate(rec.get('values', [])):
@@ -271,10 +271,10 @@ def _fit_ledger(r):
     "Check what `AutoResume` adds: the fit call's number, the setup of each call so far, the end file of each completed call"
     i = _int(r['fit_index'], 'fit_index', 0)
     fits = _of(r.get('fits'), 'fits', list)
-    if len(fits) != i+1: _fail('fits', f"has {len(fits)} fit calls, not fit_index+1 = {i+1}")
+    if len(fits) != i+1: _fail('fits', f"has {len(fits)} fit call{'s'*(len(fits) != 1)}, not fit_index+1 = {i+1}")
     for j,s in enumerate(fits): _setup(s, f'fits[{j}]')
     ends = _of(r.get('ends', []), 'ends', list)
-    if len(ends) > i+1: _fail('ends', f"has {len(ends)} fit calls, more than fit_index+1 = {i+1}")
+    if len(ends) > i+1: _fail('ends', f"has {len(ends)} fit call{'s'*(len(ends) != 1)}, more than fit_index+1 = {i+1}")
     for j,n in enumerate(ends):
         if n is not None and not (isinstance(n, str) and re.fullmatch(r'[\w.-]+-\d+\.pth', n)): _fail(f'ends[{j}]', f"is {n!r}, not the name of a resume point")
     _int(r.get('last_epoch'), 'last_epoch', -1, fits[i]['n_epoch'], none_ok=True)  # -1: the end of a `fit(0)`
@@ -365,7 +365,7 @@ def _resolve_history(rec:dict, file):
     if ref is None: return
     _check_ref(ref)
     path,n = (Path(file).parent/ref['log']).absolute(),ref['n']
-    what = f"keeps the history of its {n:,} batches (learning rates, losses, scheduled hyperparameters) in {ref['log']}"
+    what = f"keeps the history of its {n:,} batch{'es'*(n != 1)} (learning rates, losses, scheduled hyperparameters) in {ref['log']}"
     try:
         with open(path, 'rb') as f: data = f.read(ref['bytes'])
     except FileNotFoundError: raise ValueError(f"{what}, which is not in {path.parent}: copy it along with the checkpoint") from None

@@ -145,7 +145,7 @@ class _Skip(torch.utils.data.IterableDataset):
     def __iter__(self):
         it = iter(self.ds)
         got = sum(1 for _ in itertools.islice(it, self.n))
-        if got < self.n: raise RuntimeError(f"The stream ended after {got:,} items while replaying {self.n:,} to reach the resume point: "
+        if got < self.n: raise RuntimeError(f"The stream ended after {got:,} item{'s'*(got != 1)} while replaying {self.n:,} to reach the resume point: "
                                             "it is not the stream the resume point was written with")
         if self.now is not None: set_rng_state(self.now)
         return it
@@ -179,7 +179,7 @@ class Resumed(GetAttr):
         if self.kind == 'dataset': dl.dataset.load_state_dict(self.position)
         else:
             n = self._first_iter*((dl.bs if fastai else dl.batch_size) or 1)
-            warnings.warn(f"Replaying {self._first_iter:,} batches ({n:,} items) of the stream to reach the resume point (read, not collated)")
+            warnings.warn(f"Replaying {self._first_iter:,} batch{'es'*(self._first_iter != 1)} ({n:,} items) of the stream to reach the resume point (read, not collated)")
         patches = dict(dataset=_Skip(dl.dataset, n, now))
         if fastai: patches['get_idxs'] = partial(_drop_idxs, dl.get_idxs, self._first_iter*(dl.bs or 1))  # the placeholders of the skipped items
         return patches

@@ -1,5 +1,6 @@
-"The README's API table says what the code has: every signature it shows is the real one, and no public name is missing from it."
-import ast, importlib, inspect, re
+"""The README says what the code and the notebooks have: its API table (every signature the real one, no public name missing), index's
+sections word for word, and links that go somewhere."""
+import ast, difflib, importlib, inspect, json, re
 import pytest
 from helpers import ROOT
 import resumable_train.all  # noqa: F401 (patches Learner)
@@ -67,3 +68,52 @@ def test_every_public_name():
     shown = {(n, m) for n,m,_ in _entries()}
     missing = [(n, m) for m in MODULES for n in importlib.import_module(f'resumable_train.{m}').__all__ if (n, m) not in shown]
     assert not missing, f"public names missing from the README's API table: {missing}"
+
+# The README and nbs/index.ipynb (the docs' landing page) say the same: nbdev would write the README from index with Quarto, which this
+# project does not install, so the README is kept by hand and this test compares them. Each section of index (its text, its visible code
+# cells as ```python blocks, their outputs as ``` blocks, in order) is in the README, with the same text and in the same order; the
+# README's own sections are these (for a clone of the repository: its two commands, the API table, how to contribute).
+README_ONLY = ('Fresh setup: two commands', 'Public API', 'Contributing')
+
+def _index_md()->str:
+    "nbs/index.ipynb as markdown: its cells, without the hidden ones, and the outputs of its code cells"
+    nb,parts = json.loads((ROOT/'nbs'/'index.ipynb').read_text()),[]
+    for c in nb['cells']:
+        src = ''.join(c['source']).strip()
+        if c['cell_type'] == 'markdown': parts.append(re.sub(r'(?m)^(#+ .*?) -$', r'\1', src)); continue  # nbdev's `## Title -`
+        if re.match(r'#\| *hide\b', src): continue
+        parts.append(f"```python\n{src}\n```")
+        for o in c.get('outputs', []):
+            text = ''.join(o.get('text') or o.get('data', {}).get('text/plain', ''))
+            if text.strip(): parts.append(f"```\n{text.rstrip()}\n```")
+    return '\n\n'.join(parts)
+
+def _sections(md:str)->list:
+    "`md` cut at its `## ` headings: (heading, text) pairs, the part before the first heading under ''"
+    out = [['', []]]
+    for l in md.splitlines():
+        if l.startswith('## '): out.append([l[3:].strip(), []])
+        else: out[-1][1].append(l)
+    return [(h, '\n'.join(ls).strip()) for h,ls in out]
+
+def test_readme_is_index():
+    "The README holds nbs/index.ipynb's sections word for word (links to the notebooks go to `nbs/` from the README)"
+    readme = re.sub(r'<!--.*?-->\n*', '', (ROOT/'README.md').read_text(), flags=re.S).replace('](nbs/', '](')
+    ours,theirs = dict(_sections(readme)),_sections(_index_md())
+    test = [h for h,_ in _sections(readme) if h not in README_ONLY]
+    assert test == [h for h,_ in theirs], f"the README's sections {test} are not index's {[h for h,_ in theirs]}"
+    for h,text in theirs:
+        if ours[h] != text:
+            diff = difflib.unified_diff(ours[h].splitlines(), text.splitlines(), 'README.md', 'nbs/index.ipynb', lineterm='', n=1)
+            raise AssertionError(f"section {h or '(before the first heading)'!r} differs:\n" + '\n'.join(diff))
+
+def test_links():
+    "The README's links to files go to files of this repository, index links every notebook, and no link names a site that does not exist"
+    readme = (ROOT/'README.md').read_text()
+    for target in re.findall(r'\]\(([^)#\s]+)[^)]*\)', readme):
+        if not re.match(r'https?://', target): assert (ROOT/target).exists(), f"the README links to {target}, which does not exist"
+    linked = set(re.findall(r'\]\(([\w.]+\.ipynb)\)', _index_md()))
+    for nb in (ROOT/'nbs').glob('*.ipynb'):
+        if nb.name not in ('index.ipynb', '09_all.ipynb'): assert nb.name in linked, f"index's notebook table does not list {nb.name}"
+    for text in (readme, _index_md()):
+        assert not re.search(r'github\.com/resumable-train|resumable-train\.github\.io', text), "a link to a repository or site that does not exist"

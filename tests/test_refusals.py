@@ -1,7 +1,7 @@
 """What a user sees when the package refuses or stops a script: its message and the fix in a few lines, no traceback through fastai;
 `RESUMABLE_TRAIN_DEBUG=1` brings the traceback back. Real `python` processes: the forked children of other tests print their own."""
 import os, signal, time
-from helpers import PY, TESTS, start, finish, run
+from helpers import PY, TESTS, start, finish, kill_group, run
 
 SCRIPT = str(TESTS/'refusal_script.py')
 
@@ -34,3 +34,18 @@ def test_ctrl_c_is_its_message(tmp_path):
     assert rc == -signal.SIGINT, (rc, err[-3000:])
     assert 'Traceback' not in err and len(lines) <= 3, err[-3000:]
     assert lines[0].startswith('AutoResume: stopped by Ctrl-C') and 'resume point saved' in lines[0], lines
+
+def test_locked_folder_is_its_message(tmp_path):
+    "A second launch on the folder of a running one: refused in a few lines naming the process and the options, exit 1"
+    p = start([PY, SCRIPT, tmp_path, '200'])  # 200 epochs of 8 batches paced at 0.05 s: still running when the second one starts
+    try:
+        deadline = time.monotonic() + 120
+        for line in p.stdout:
+            if line.startswith('BATCH 1') or time.monotonic() > deadline: break
+        rc,out,err = run([PY, SCRIPT, tmp_path, '200'], timeout=120)
+        lines = short(err)
+        assert p.poll() is None, "the first run ended before the second one started"
+        assert rc == 1 and 'BATCH' not in out, (rc, out[-2000:], err[-3000:])
+        assert len(lines) <= 3 and 'Traceback' not in err and 'Exception occured' not in err, err[-3000:]
+        assert f"is in use: another process (pid {p.pid})" in lines[0] and 'AutoResume(wait=...)' in lines[0], lines
+    finally: kill_group(p)
