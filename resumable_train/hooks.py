@@ -175,6 +175,7 @@ when_imported('fastai.callback.schedule', _wrap_schedules)
 def _text_load(self, file, with_opt=None, device=None, **kwargs):
     "fastai's `TextLearner.load` through `Learner.load`: without `with_opt`, no warning for a file without one"
     return Learner.load(self, file, with_opt=with_opt, device=device, **kwargs)
+_text_load.replaced = True  # the package's own: put there by an earlier import of this module, it is left as it is
 
 # fastai's overrides that do not call `Learner`'s, and what replaces them
 _REPLACING = {'fastai.text.learner.TextLearner': {'load': _text_load}}
@@ -189,7 +190,7 @@ def _check_text(cls):
 def _adopt(cls):
     "Replace the overrides of `cls` listed in `_REPLACING`, so that `cls` uses the package's methods"
     for n,f in _REPLACING.get(qualname(cls), {}).items():
-        if vars(cls).get(n, f) is f: continue
+        if getattr(vars(cls).get(n, f), 'replaced', False): continue
         if n == 'load': _check_text(cls)
         setattr(cls, n, f)
 
