@@ -9,7 +9,7 @@ from functools import partial
 import torch, fastai
 from fastai.torch_core import get_model
 from .files import *
-from .files import log_ref
+from .history import log_ref
 from .state import *
 from .state import logged_histories
 from .loaders import *

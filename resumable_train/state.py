@@ -10,7 +10,7 @@ import numpy as np, torch
 from fastcore.foundation import L
 from fastai.torch_core import get_random_states, set_random_states, num_distrib, rank_distrib, get_model
 from .files import *
-from .files import unpack
+from .history import unpack
 
 # %% auto #0
 __all__ = ['to_plain', 'rng_state', 'set_rng_state', 'dl_rng_state', 'set_dl_rng_state', 'register_state', 'has_state',

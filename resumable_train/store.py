@@ -11,7 +11,8 @@ from pathlib import Path, PurePosixPath
 import fsspec, torch
 from fastcore.basics import patch
 from fastcore.foundation import L
-from .files import write_checkpoint, read_checkpoint, CheckpointError, WriteCancelled
+from .files import write_checkpoint, read_checkpoint, CheckpointError
+from .atomic import WriteCancelled
 
 # %% auto #0
 __all__ = ['Entry', 'MANIFEST', 'Store', 'LocalStore', 'StoreError', 'FsspecStore', 'is_url', 'as_store', 'locate']
