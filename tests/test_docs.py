@@ -6,8 +6,8 @@ import resumable_train.all  # noqa: F401 (patches Learner)
 from fastai.learner import Learner
 import fastai.callback.schedule  # noqa: F401 (fit_one_cycle & co.)
 
-MODULES = ('atomic', 'records', 'history', 'files', 'store', 'errors', 'state', 'loaders', 'hooks', 'collectives', 'plans', 'snapshot', 'fastforward', 'seeding',
-           'learner', 'checkpoints', 'fitcalls', 'signals', 'autoresume', 'distributed', 'cli')
+MODULES = ('atomic', 'records', 'history', 'files', 'store', 'errors', 'state', 'loaders', 'hooks', 'collectives', 'plans',
+           'snapshot', 'fastforward', 'seeding', 'learner', 'checkpoints', 'fitcalls', 'signals', 'autoresume', 'distributed', 'cli')
 
 def _table()->list:
     "The rows of the README's API table, as (names column, module)"
