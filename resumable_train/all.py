@@ -6,8 +6,12 @@
 __all__ = []
 
 # %% ../nbs/09_all.ipynb #a8cfaa7a
-from . import files, store, state, loaders, hooks, collectives, plans, snapshot, fastforward, seeding, learner, checkpoints, fitcalls, signals, autoresume, distributed
+from . import atomic, records, history, files, store, state, loaders, hooks, collectives, plans, snapshot, fastforward
+from . import seeding, learner, checkpoints, fitcalls, signals, autoresume, distributed
 from .cli import checkpoint_info, digits_learner, weights_digest
+from .atomic import *
+from .records import *
+from .history import *
 from .files import *
 from .store import *
 from .state import *
@@ -24,4 +28,6 @@ from .fitcalls import *
 from .signals import *
 from .autoresume import *
 from .distributed import *
-__all__ = [n for m in (files, store, state, loaders, hooks, collectives, plans, snapshot, fastforward, seeding, learner, checkpoints, fitcalls, signals, autoresume, distributed) for n in m.__all__] + ['checkpoint_info', 'digits_learner', 'weights_digest']
+_modules = (atomic, records, history, files, store, state, loaders, hooks, collectives, plans, snapshot, fastforward, seeding, learner,
+            checkpoints, fitcalls, signals, autoresume, distributed)
+__all__ = list(dict.fromkeys(n for m in _modules for n in m.__all__)) + ['checkpoint_info', 'digits_learner', 'weights_digest']

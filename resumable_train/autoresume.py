@@ -13,6 +13,7 @@ from fastprogress.fastprogress import ConsoleProgressBar, printing
 from fastai.torch_core import rank_distrib
 from fastai.callback.core import Callback, CancelFitException, TrainEvalCallback
 from .files import *
+from .atomic import WriteCancelled
 from .store import *
 from .state import *
 from .loaders import *

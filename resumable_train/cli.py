@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 from . import __version__
-from .files import read_checkpoint, resume_record, CheckpointError, history_log_info, unpack
+from .files import read_checkpoint, resume_record, CheckpointError
+from .history import history_log_info, unpack
 from .store import as_store, is_url, locate, LocalStore, StoreError
 
 # %% auto #0

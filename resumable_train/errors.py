@@ -11,7 +11,8 @@ __all__ = ['DEBUG_VAR', 'is_refusal', 'refusal_text', 'short_refusals']
 
 # %% ../nbs/00c_errors.ipynb #1e0b82fc
 DEBUG_VAR = 'RESUMABLE_TRAIN_DEBUG'  # set to 1 to see the traceback of the package's refusals
-_KINDS = (RuntimeError, TypeError, ValueError, OSError, KeyboardInterrupt)  # what the package raises on purpose; a bug raises others
+# what the package raises on purpose; a bug raises others
+_KINDS = (RuntimeError, TypeError, ValueError, OSError, KeyboardInterrupt)
 _FASTAI = re.compile(r'Exception occured in `[^`]+` when calling event `[^`]+`:\n\t')
 
 def _innermost(tb)->str:
@@ -35,7 +36,7 @@ def _hook(kind, e, tb, then):
     else: then(kind, e, tb)
 
 def short_refusals():
-    "Show the package's refusals and stops that end a script as their message alone (`RESUMABLE_TRAIN_DEBUG=1`: the traceback)"
+    "End a script on a refusal or stop of the package with its message alone (`RESUMABLE_TRAIN_DEBUG=1`: the traceback)"
     if getattr(sys.excepthook, 'resumable_train', False): return
     then = sys.excepthook
     def hook(kind, e, tb): _hook(kind, e, tb, then)

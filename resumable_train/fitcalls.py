@@ -13,12 +13,13 @@ from .plans import plan_changes
 __all__ = []
 
 # %% ../nbs/02a_fitcalls.ipynb #b9e795bd
-def _cell_file(name:str)->str: return re.sub(r'^<ipython-input-\d+-', '<ipython-input-', name)  # terminal IPython numbers each run of a cell
+# terminal IPython numbers each run of a cell
+def _cell_file(name:str)->str: return re.sub(r'^<ipython-input-\d+-', '<ipython-input-', name)
 
 _LIBS = {'fastai', 'fastcore', 'torch', 'resumable_train'}  # the packages between the user's code and a fit call
 
 def call_site(f=None)->tuple:
-    "Where the running fit call was called from: each frame's file, function and line, up to the first frame of the user's code"
+    "Where the running fit call was called from: each frame's file, function and line, up to the user's first frame"
     f,out = f or sys._getframe(1),[]
     while f is not None:
         out.append((_cell_file(f.f_code.co_filename), f.f_code.co_name, f.f_lineno))
@@ -35,52 +36,62 @@ def _user_frame(f=None):
 _runs = itertools.count()  # numbers for the runs of code outside IPython
 
 def _cell_run():
-    "The IPython execution (a notebook cell run) running now; `None` outside IPython, where a run of code is told by its frame"
+    "The IPython execution (a cell run) running now; `None` outside IPython, where a run is told by its frame"
     ip = getattr(sys.modules.get('IPython'), 'get_ipython', lambda: None)()
     return getattr(ip, 'execution_count', None)
 
-def _site_text(site)->str: return f"{Path(site[-1][0]).name}:{site[-1][2]}" if site else 'nowhere'  # the line of the user's code
+def _site_text(site)->str:
+    "The line of the user's code"
+    return f"{Path(site[-1][0]).name}:{site[-1][2]}" if site else 'nowhere'
 
 def call_diff(then:dict, now:dict, site:bool=True)->list:
-    "What differs between the fit calls `then` and `now` (`FitCalls.identify`), in words; with `site`, where they are called from too"
-    out = [] if then['site'] == now['site'] or not site else [f"called from {_site_text(now['site'])}, then from {_site_text(then['site'])}"]
+    "What differs between the fit calls `then` and `now` (`FitCalls.identify`), in words; `site`: where called from too"
+    out = []
+    if then['site'] != now['site'] and site:
+        out = [f"called from {_site_text(now['site'])}, then from {_site_text(then['site'])}"]
     out += setup_diff(then['setup'], now['setup'])
     return out + plan_changes(then['plan'], now['plan'])
 
 # %% ../nbs/02a_fitcalls.ipynb #af37a66e
 class FitCalls:
-    "The fit calls this process made, and which one a new fit call is: the next, or, right after an interruption, one of the interrupted cell's"
+    "This process's fit calls, and which one a new call is: the next, or, after an interruption, one of that cell's"
     def __init__(self):
-        self.calls,self.caller = [],(None, None)  # each call's identity; the user's frame of the last call, and its run of code
+        # each call's identity; the user's frame of the last call, and its run of code
+        self.calls,self.caller = [],(None, None)
         self.done,self.index = 0,0  # the calls completed; the number of the running (or last) call
-        self.unfinished,self.cut,self.again = False,False,False  # a call stopped before its end; a stop after its end; a cell run again
+        # a call stopped before its end; a stop after its end; a cell run again
+        self.unfinished,self.cut,self.again = False,False,False
 
-    def __getstate__(self): return dict(self.__dict__, calls=[], caller=(None, None), cut=False, unfinished=False)  # `learn.export`
+    # `learn.export`
+    def __getstate__(self): return dict(self.__dict__, calls=[], caller=(None, None), cut=False, unfinished=False)
 
     def identify(self, learn, plan:dict)->dict:
-        "What tells this fit call from the others: where it is called from, by which run of that code, its setup and plan"
+        "What tells this fit call from the others: where it is called from, by which run of that code, setup and plan"
         frame,(held,run) = _user_frame(),self.caller
-        retry,cell = frame is held,_cell_run()  # the frame of the previous fit call's code, still held: the same run of that code
+        # the frame of the previous fit call's code, still held: the same run of that code
+        retry,cell = frame is held,_cell_run()
         run = ('cell', cell) if cell is not None else run if retry else next(_runs)
         self.caller = (frame, run)  # held until the next fit call (a frame's `id` may be another's once it ends)
         return dict(site=call_site(), run=run, retry=retry, setup=run_setup(learn, learn.n_epoch), plan=plan)
 
     def which(self, me:dict, refusal)->int:
-        "The number of the fit call `me` (see the rule above); `refusal(msg)` makes the error for a call that is none of them"
+        "The number of the fit call `me` (see the rule above); `refusal(msg)` makes the error for none of them"
         self.again = self.unfinished or self.cut
         if not self.again: return self.done
         n = self.index  # the interrupted call
-        if me['retry'] and not call_diff(self.calls[n], me, site=False): return n  # called again by the code that caught it
+        # called again by the code that caught it
+        if me['retry'] and not call_diff(self.calls[n], me, site=False): return n
         first = n
         while first and self.calls[first-1]['run'] == self.calls[n]['run']: first -= 1
         j = next((j for j in range(first, n+1) if not call_diff(self.calls[j], me)), None)
         if j is not None: return j
         if not self.unfinished: return self.done  # the interrupted cell's calls completed: this is the next call
         calls = f"fit calls {first+1} to {n+1}" if first < n else f"fit call {n+1}"
-        raise refusal(f"AutoResume: fit call {n+1} was interrupted in this process, and this fit call is none of the calls that running "
-                      f"its cell again makes ({calls}): it differs from fit call {n+1} ({'; '.join(call_diff(self.calls[n], me))}). "
-                      "Run the cell again as it was to continue, or build the Learner again to run the calls from the first (those "
-                      "that completed are loaded, not trained again)")
+        raise refusal(f"AutoResume: fit call {n+1} was interrupted in this process, and this fit call is none of the "
+                      f"calls that running its cell again makes ({calls}): it differs from fit call {n+1} "
+                      f"({'; '.join(call_diff(self.calls[n], me))}). Run the cell again as it was to continue, "
+                      "or build the Learner again to run the calls from the first "
+                      "(those that completed are loaded, not trained again)")
 
     def start(self, i:int, me:dict):
         "Fit call `i`, identified as `me`, starts"

@@ -13,6 +13,7 @@ from fastai.torch_core import get_model, distrib_barrier, rank_distrib, to_devic
 from fastai.learner import Learner, save_model
 from fastcore.xtras import join_path_file
 from .files import *
+from .history import start_history, append_history
 from .state import *
 from .state import logged_histories
 from .store import is_url, locate
