@@ -666,6 +666,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                        'resumable_train.store._sha256': ('store.html#_sha256', 'resumable_train/store.py'),
                                        'resumable_train.store._tmp_files': ('store.html#_tmp_files', 'resumable_train/store.py'),
                                        'resumable_train.store._transient': ('store.html#_transient', 'resumable_train/store.py'),
+                                       'resumable_train.store._unlockable': ('store.html#_unlockable', 'resumable_train/store.py'),
                                        'resumable_train.store.as_store': ('store.html#as_store', 'resumable_train/store.py'),
                                        'resumable_train.store.is_url': ('store.html#is_url', 'resumable_train/store.py'),
                                        'resumable_train.store.locate': ('store.html#locate', 'resumable_train/store.py')}}}

@@ -222,6 +222,13 @@ def _holder(fd)->str:
     except OSError: return "another process"
     return f"another process (pid {pid})" if pid > 0 else "another process"
 
+def _unlockable(f:Path, fd:int, e:OSError)->Path:
+    "Go on without the lock `f` on a file system that has no locks (some network and cloud-drive mounts), saying so once"
+    warnings.warn(f"{f.parent} cannot be locked ({e.strerror}): a second process training the same run there is not "
+                  "refused, so start only one")
+    _held[str(f)] = fd  # once per folder and run; its temporary files may be another process's: they stay
+    return f
+
 @patch
 def lock(self:LocalStore, fname:str, # the run: its resume points are `{fname}-NNNN.pth`
          wait:float=0)->Path: # seconds to wait for another process to release it
@@ -232,7 +239,8 @@ def lock(self:LocalStore, fname:str, # the run: its resume points are `{fname}-N
     fd,deadline = os.open(f, os.O_RDWR|os.O_CREAT|os.O_CLOEXEC, 0o666),time.monotonic() + wait
     while True:
         try: fcntl.lockf(fd, fcntl.LOCK_EX|fcntl.LOCK_NB); break
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN): return _unlockable(f, fd, e)
             if time.monotonic() < deadline: time.sleep(0.1); continue
             holder = _holder(fd)
             os.close(fd)
