@@ -1,2 +1,2 @@
-"""Exact resume for fastai training: kill a run anywhere, rerun it, and end bit-for-bit where an uninterrupted run ends."""
+"""Exact resume for fastai training: kill a run anywhere, rerun it, and end where an uninterrupted run ends."""
 __version__ = "0.2.0"

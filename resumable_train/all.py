@@ -28,6 +28,7 @@ from .fitcalls import *
 from .signals import *
 from .autoresume import *
 from .distributed import *
-_modules = (atomic, records, history, files, store, state, loaders, hooks, collectives, plans, snapshot, fastforward, seeding, learner,
-            checkpoints, fitcalls, signals, autoresume, distributed)
-__all__ = list(dict.fromkeys(n for m in _modules for n in m.__all__)) + ['checkpoint_info', 'digits_learner', 'weights_digest']
+_modules = (atomic, records, history, files, store, state, loaders, hooks, collectives, plans, snapshot, fastforward,
+            seeding, learner, checkpoints, fitcalls, signals, autoresume, distributed)
+_cli = ['checkpoint_info', 'digits_learner', 'weights_digest']
+__all__ = list(dict.fromkeys(n for m in _modules for n in m.__all__)) + _cli

@@ -223,7 +223,7 @@ def _holder(fd)->str:
     return f"another process (pid {pid})" if pid > 0 else "another process"
 
 def _unlockable(f:Path, fd:int, e:OSError)->Path:
-    "Go on without the lock `f` on a file system that has no locks (some network and cloud-drive mounts), saying so once"
+    "Go on without the lock `f` on a file system without locks (some network and cloud-drive mounts), saying so"
     warnings.warn(f"{f.parent} cannot be locked ({e.strerror}): a second process training the same run there is not "
                   "refused, so start only one")
     _held[str(f)] = fd  # once per folder and run; its temporary files may be another process's: they stay
