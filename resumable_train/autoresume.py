@@ -19,6 +19,8 @@ from .store import *
 from .state import *
 from .learner import *
 from .loaders import *
+from .runlog import RunLog, point_at
+from .trackers import continue_trackers
 from .learner import _position, _restore_streams, _load_through, _read_on_rank0, _group_device, _bypassed, _plan_changes, fit_plan, _log_history
 
 # %% auto #0
@@ -279,6 +281,7 @@ def _decide(self:AutoResume, plan):
         self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
         try: _load_through(self.learn, _stem(file), strict_hypers=None, state=state, elastic=self.elastic, fresh_callbacks=self.fresh_callbacks)
         except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
+        self.resumed_iter,self.resumed_from = rec['train_iter'],point_at(_name(file), rec)  # see "Trackers and the run log"
         self.ends = list(ends[:i])
         return
     if (f, end) != (i-1, True):
@@ -412,6 +415,7 @@ def _look(self:AutoResume):
     except Exception as e: self.found = e
     else:
         file,rec,_ = self.found
+        continue_trackers(self.learn, rec, self.done, file is not None and _finished(rec, self.done))  # see `trackers`
         if file is not None and _finished(rec, self.done):
             for cb in self.learn.cbs:
                 if _is_a(cb, 'fastai.callback.progress.ProgressCallback'): cb.run = False
@@ -569,10 +573,13 @@ def before_fit(self:AutoResume):
     workers = getattr(getattr(self.dls.train, 'fake_l', self.dls.train), 'num_workers', 0)  # fastai's DataLoader, or PyTorch's
     self.added_seed = bool(workers) and not any(isinstance(cb, SeedBatches) for cb in self.learn.cbs)
     if self.added_seed: self.learn.add_cb(SeedBatches())
+    self.resumed_iter,self.resumed_from = None,None  # set by `_decide` when this fit call continues a resume point
+    self.runlog = RunLog(self.store, self.fname, on=not rank_distrib())  # the run's story (`runlog`)
     try: self._decide(plan)
     except CancelFitException: raise
     except BaseException: self._cleanup(); raise
     self.unfinished,self.last_save = True,time.monotonic()
+    self.runlog.begin(self.fit_index, (self.n_epoch, len(self.dls.train)), self.resumed_from)
     self._install_handlers()
     self.worker_signals = WorkerSignals(self.old_handlers)  # the signals handled here are kept away from DataLoader workers
     self.worker_signals.start(self.dls.loaders)
@@ -599,6 +606,7 @@ def after_validate(self:AutoResume): self._hold_signals(False)
 @patch
 def after_batch(self:AutoResume):
     if not (self.fitting and self.training): return
+    self.runlog.reached(self.fit_index, *_position(self.learn), self.train_iter)  # how far a killed process got
     due = self.due or bool(self.every_iter and self.train_iter % self.every_iter == 0)
     if self.every_secs: due |= bool(agree(time.monotonic() - self.last_save >= self.every_secs))
     if stop := agree(self.signum): self._stop(stop)
@@ -626,6 +634,7 @@ def _stop(self:AutoResume, signum):
     self.stopped,self.signum = True,signum
     self.stop_note = "resume point saved" if saved else f"no resume point was written there: {self._kept()}"
     ep,it = _position(self.learn)
+    self.runlog.stopped(signal.Signals(signum).name, self.fit_index, ep, it, self.train_iter, saved)
     self._say(f"AutoResume: stopped by {signal.Signals(signum).name} at {position_text(ep, it, self.n_epoch, len(self.dls.train))}; "
               f"{self.stop_note}, run the same command again to continue", own_line=True)
     raise CancelFitException()
@@ -670,6 +679,7 @@ def after_fit(self:AutoResume):
         if not self.skipped: self._save(end=True)
         self.writer.wait()
         self.done,self.unfinished = self.fit_index+1,False
+        self.runlog.finished(self.fit_index, self.train_iter)
     finally: self._cleanup()
     if not (stop := agree(self.signum)): return
     self.signum,self.cut,self.stop_note = stop,True,"the end state of this fit call is saved"  # a signal during the end's write: the next safe point
@@ -682,6 +692,7 @@ def left_fit(self:AutoResume):
     "`Learner.fit` ended, whatever the way: after an exception, or Ctrl-C, put the handlers back and finish the write in flight"
     if not self.fitting: return
     self.fitting = False
+    if hasattr(self, 'runlog'): self.runlog.ended('an exception')
     self._cleanup()
     try: self.writer.wait()
     except (WriteCancelled, KeyboardInterrupt): self._abandon()  # interrupted while it waits: the write is abandoned
