@@ -1,6 +1,7 @@
 """A run killed twice at seeded batches and rerun reads as the uninterrupted run (issue 21): TensorBoard's scalars, W&B's history,
 the run log, `resumable-train ls` and `plot`."""
-import contextlib, io, random
+import contextlib, io, json, random, struct
+from pathlib import Path
 import numpy as np, pytest, torch
 from forked import Forker
 from helpers import TESTS
@@ -17,13 +18,13 @@ def forker():
     return Forker(('fastai.basics', 'fastai.callback.schedule', 'fastai.callback.tensorboard', 'resumable_train.autoresume',
                    'resumable_train.cli', 'sklearn.datasets', 'killrerun'))
 
-def killed_twice(forker, tmp_path, seed, *kinds):
+def killed_twice(forker, tmp_path, seed, *kinds, env=lambda run: None):
     "The batches of an uninterrupted run and of one killed twice at seeded batches, then rerun: `(ref, trained)`"
     (tmp_path/'ref').mkdir()
-    ref = kr.batches(kr.run_to_end(forker, SCRIPT, [tmp_path/'ref.pth', *kinds], cwd=tmp_path/'ref'))
+    ref = kr.batches(kr.run_to_end(forker, SCRIPT, [tmp_path/'ref.pth', *kinds], cwd=tmp_path/'ref', env=env('ref')))
     rng = random.Random(seed)
     kills = [rng.randint(EVERY+1, len(ref)//3) for _ in range(2)]
-    trained,snaps = kr.kill_and_rerun(forker, SCRIPT, list(kinds), tmp_path/'run', tmp_path/'out.pth', kills)
+    trained,snaps = kr.kill_and_rerun(forker, SCRIPT, list(kinds), tmp_path/'run', tmp_path/'out.pth', kills, env=env('run'))
     kr.check_kill_and_rerun(ref, trained, snaps, tmp_path/'ref.pth', tmp_path/'out.pth')
     return ref, trained
 
@@ -78,3 +79,62 @@ def test_tensorboard_runlog_plot(forker, tmp_path):
         img = matplotlib.image.imread(tmp_path/f'{run}.png')
         assert img.shape[:2] == (500, 1000) and img[..., :3].std() > 0.05, "a blank plot"
         assert line_columns(img, STOP_COLOR) == n and line_columns(img, RESUME_COLOR) == (len(set(d['resumes'])) if n else 0)
+
+def wandb_rows(folder)->list:
+    "The history rows W&B wrote in the offline run folders under `folder`, each folder's in turn (in the order the runs started)"
+    from wandb.proto import wandb_internal_pb2 as pb
+    runs = []
+    for f in Path(folder).glob('wandb/offline-run-*/run-*.wandb'):
+        rows = []
+        for data in leveldb_records(f.read_bytes()):
+            r = pb.Record()
+            r.ParseFromString(data)
+            if r.WhichOneof('record_type') == 'history':
+                rows.append({i.key or '/'.join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
+        runs.append((f.parent.name, rows))
+    return sorted(runs, key=lambda r: r[0])  # offline-run-YYYYMMDD_HHMMSS-ID: the order they started in
+
+def leveldb_records(data:bytes)->list:
+    "The records of a `.wandb` file: a 7-byte header, then LevelDB's log format (32 kB blocks of records, each maybe in pieces)"
+    pos,part,out = 7,b'',[]
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7: pos += left; continue
+        _,n,kind = struct.unpack('<IHB', data[pos:pos+7])
+        if n == 0 and kind == 0: pos += left; continue
+        part += data[pos+7:pos+7+n]
+        pos += 7+n
+        if kind in (1, 4): out.append(part); part = b''  # FULL or LAST
+    return out
+
+TIMING = {'_timestamp', '_runtime', 'train_samples_per_sec'}  # what differs between any two runs
+
+def synced(runs)->list:
+    "The rows `wandb sync` leaves of the offline runs sent in turn: a step not above the last one kept is refused"
+    out = []
+    for _,rows in runs:
+        for r in rows:
+            if not out or r['_step'] > out[-1]['_step']: out.append(r)
+    return [{k: v for k,v in r.items() if k not in TIMING} for r in out]
+
+def test_wandb_offline(forker, tmp_path):
+    """W&B offline: one run id across the reruns; a rerun logs from the step it resumed at, each step with the uninterrupted run's
+    values; sent in turn (`wandb sync`), the steps strictly increase"""
+    pytest.importorskip('wandb')
+    env = lambda run: dict(WANDB_MODE='offline', WANDB_DIR=str(tmp_path/f'wandb-{run}'), WANDB_SILENT='true')
+    for run in ('ref', 'run'): (tmp_path/f'wandb-{run}').mkdir()
+    ref,trained = killed_twice(forker, tmp_path, 212, 'wandb', env=env)
+    rid = (tmp_path/'run'/'models'/'autoresume.wandb-id').read_text().strip()
+    runs,(_,want) = wandb_rows(tmp_path/'wandb-run'),*wandb_rows(tmp_path/'wandb-ref')
+    assert {n.rpartition('-')[2] for n,_ in runs} == {rid} and len(runs) == 4, [n for n,_ in runs]  # 2 killed, the rest, the rerun
+    want = {r['_step']: r for r in synced([(None, want)])}
+    assert sorted(want) == list(range(len(ref))), "the uninterrupted run logs one step per batch"
+    (_,resumed),*_ = trained_twice(ref, trained)[1:]
+    last = synced(runs[2:3])
+    assert [r['_step'] for r in last] == list(range(resumed, len(ref))), "the last rerun did not log from the step it resumed at"
+    assert not runs[3][1], "the rerun after completion logged steps"
+    for _,rows in runs:  # the killed runs' too: an orphaned step, logged again by a rerun, has the same values
+        assert [r['_step'] for r in rows] == sorted({r['_step'] for r in rows}), "a run logged a step twice"
+        for r in synced([(None, rows)]): assert r == want[r['_step']], f"step {r['_step']} differs from the uninterrupted run's"
+    steps = [r['_step'] for r in synced(runs)]
+    assert steps == sorted(set(steps)) and steps[-1] == len(ref)-1
