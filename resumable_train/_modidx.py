@@ -409,6 +409,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
             'resumable_train.runlog': { 'resumable_train.runlog.RunLog': ('runlog.html#runlog', 'resumable_train/runlog.py'),
                                         'resumable_train.runlog.RunLog.__init__': ( 'runlog.html#runlog.__init__',
                                                                                     'resumable_train/runlog.py'),
+                                        'resumable_train.runlog.RunLog._url': ('runlog.html#runlog._url', 'resumable_train/runlog.py'),
                                         'resumable_train.runlog.RunLog.add': ('runlog.html#runlog.add', 'resumable_train/runlog.py'),
                                         'resumable_train.runlog.RunLog.begin': ('runlog.html#runlog.begin', 'resumable_train/runlog.py'),
                                         'resumable_train.runlog.RunLog.end': ('runlog.html#runlog.end', 'resumable_train/runlog.py'),

@@ -281,7 +281,7 @@ def _decide(self:AutoResume, plan):
         self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
         try: _load_through(self.learn, _stem(file), strict_hypers=None, state=state, elastic=self.elastic, fresh_callbacks=self.fresh_callbacks)
         except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
-        self.resumed_iter,self.resumed_from = rec['train_iter'],point_at(_name(file), rec)  # see "Trackers and the run log"
+        self.resumed_iter,self.resumed_from = rec['train_iter'],point_at(_name(file), rec)
         self.ends = list(ends[:i])
         return
     if (f, end) != (i-1, True):

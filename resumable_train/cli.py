@@ -232,7 +232,8 @@ def _ls(a)->int:
     ws = [max(len(r[i]) for r in rows) for i in range(4)]
     print(f"{store.url}:")
     for r in rows: print('  '.join(f"{c:<{w}}" for c,w in zip(r, ws)) + '  ' + r[4])
-    for fname,run in _runs(store).items(): print(f"\nrun {fname} ({fname}.runlog):\n  " + '\n  '.join(timeline(run['events'])))
+    for fname,run in _runs(store).items():
+        print(f"\nrun {fname} ({fname}.runlog):\n  " + '\n  '.join(timeline(run['events'])))
     return 0
 
 # %% ../nbs/04_cli.ipynb #af71e1e5
@@ -281,7 +282,7 @@ def _parser():
     s.add_argument('dir', help="a folder of .pth files (or a Learner's path, whose models/ holds them), or a URL (s3://bucket/run1)")
     s.add_argument('--json', action='store_true', help="print JSON, for scripts")
     s.set_defaults(f=_ls)
-    s = sub.add_parser('plot', help="draw a run: loss per batch, metrics per epoch, learning rate, interruptions and resumes")
+    s = sub.add_parser('plot', help="draw a run: loss per batch, metrics per epoch, learning rate, interruptions")
     s.add_argument('dir', help="as for ls: a folder of resume points, a Learner's path, or a URL")
     s.add_argument('-o', '--out', default='run.png', help="the PNG file to write (default: %(default)s)")
     s.add_argument('--fname', default='autoresume', help="the name AutoResume was given (default: %(default)s)")

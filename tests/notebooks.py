@@ -49,7 +49,7 @@ def _walk(o):
     "`o` (nested lists and dicts) with `normalise` applied to its strings"
     if isinstance(o, str): return normalise(o)
     if isinstance(o, list): return [_walk(v) for v in o]
-    if isinstance(o, dict): return {k: v if k.startswith('image/') else _walk(v) for k,v in o.items()}  # base64 holds no dates
+    if isinstance(o, dict): return {k: v if k.startswith('image/') else _walk(v) for k,v in o.items()}  # no dates
     return o
 
 def _norm_out(o):

@@ -6,8 +6,8 @@ import resumable_train.all  # noqa: F401 (patches Learner)
 from fastai.learner import Learner
 import fastai.callback.schedule  # noqa: F401 (fit_one_cycle & co.)
 
-MODULES = ('files', 'store', 'errors', 'runlog', 'state', 'loaders', 'learner', 'trackers', 'autoresume', 'distributed', 'cli',
-           'plot')
+MODULES = ('files', 'store', 'errors', 'runlog', 'state', 'loaders', 'learner', 'trackers', 'autoresume', 'distributed',
+           'cli', 'plot')
 
 def _table()->list:
     "The rows of the README's API table, as (names column, module)"

@@ -102,7 +102,7 @@ def test_kill_and_rerun(forker, s3, ref, tmp_path):
     check_kill_and_rerun(ref['batches'], trained, snaps, ref['out'], out)
     before = objects(s3, 'kills/')
     points = [k for k in before if not k.endswith('.runlog')]
-    assert len(points) == 4 and len(before) == 5, f"keep=2 resume points, each with its manifest, and the run log: {sorted(before)}"
+    assert len(points) == 4 and len(before) == 5, f"2 resume points, 2 manifests, the run log: {sorted(before)}"
     assert not batches(run_to_end(forker, SCRIPT, [out, url], env=s3.env, cwd=tmp_path/'run'))
     assert objects(s3, 'kills/') == before
 
