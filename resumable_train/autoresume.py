@@ -579,7 +579,7 @@ def before_fit(self:AutoResume):
     except CancelFitException: raise
     except BaseException: self._cleanup(); raise
     self.unfinished,self.last_save = True,time.monotonic()
-    self.runlog.begin(self.fit_index, (self.n_epoch, len(self.dls.train)), self.resumed_from)
+    self.runlog.begin(self.fit_index, (self.n_epoch, self.fits[-1].get('n_iter')), self.resumed_from)
     self._install_handlers()
     self.worker_signals = WorkerSignals(self.old_handlers)  # the signals handled here are kept away from DataLoader workers
     self.worker_signals.start(self.dls.loaders)
