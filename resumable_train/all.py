@@ -6,14 +6,15 @@
 __all__ = []
 
 # %% ../nbs/09_all.ipynb #a8cfaa7a
-from . import atomic, records, history, files, store, state, loaders, hooks, collectives, plans, snapshot, fastforward
-from . import seeding, learner, checkpoints, fitcalls, signals, autoresume, distributed
+from . import atomic, records, history, files, store, runlog, state, loaders, hooks, collectives, plans, snapshot
+from . import fastforward, seeding, learner, trackers, checkpoints, fitcalls, signals, autoresume, distributed, plot
 from .cli import checkpoint_info, digits_learner, weights_digest
 from .atomic import *
 from .records import *
 from .history import *
 from .files import *
 from .store import *
+from .runlog import *
 from .state import *
 from .loaders import *
 from .hooks import *
@@ -23,12 +24,14 @@ from .snapshot import *
 from .fastforward import *
 from .seeding import *
 from .learner import *
+from .trackers import *
 from .checkpoints import *
 from .fitcalls import *
 from .signals import *
 from .autoresume import *
 from .distributed import *
-_modules = (atomic, records, history, files, store, state, loaders, hooks, collectives, plans, snapshot, fastforward,
-            seeding, learner, checkpoints, fitcalls, signals, autoresume, distributed)
+from .plot import *
+_modules = (atomic, records, history, files, store, runlog, state, loaders, hooks, collectives, plans, snapshot,
+            fastforward, seeding, learner, trackers, checkpoints, fitcalls, signals, autoresume, distributed, plot)
 _cli = ['checkpoint_info', 'digits_learner', 'weights_digest']
 __all__ = list(dict.fromkeys(n for m in _modules for n in m.__all__)) + _cli

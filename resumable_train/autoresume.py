@@ -30,6 +30,8 @@ from .checkpoints import *
 from .checkpoints import Writer, host_copy, entries, file_name, scan_run, holder_rank
 from .fitcalls import FitCalls
 from .signals import SIGNALS, StopSignals, WorkerSignals
+from .runlog import RunLog, point_at
+from .trackers import continue_trackers
 
 # %% auto #0
 __all__ = ['AutoResume']
@@ -107,9 +109,10 @@ class AutoResume(Callback):
         store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,stop_wait,fresh_callbacks,replay')
         self.fit_calls,self.fits,self.ends,self.due,self.last_point = FitCalls(),[],[],False,None
         self.writer,self.host_copy,self.fitting,self.skipped,self.stopped = Writer(background),None,False,False,False
-        self.stop_signals = self._new_stop_signals()
+        self.stop_signals,self.runlog = self._new_stop_signals(),None
+        self.resumed_iter,self.resumed_from = None,None  # the `train_iter` this fit call resumed at, and from which point
 
-    def __getstate__(self): return dict(self.__dict__, stop_signals=None)  # `learn.export`: the handlers stay with this process
+    def __getstate__(self): return dict(self.__dict__, stop_signals=None, runlog=None)  # `learn.export`: the handlers stay with this process
     learn = property(lambda self: self.__dict__.get('_learn'), _set_learn)
 
     @property
@@ -147,17 +150,20 @@ class AutoResume(Callback):
         if self.replay: allow_replay(self.dls.train)
         if self.every_iter or self.every_secs: loader_kind(self.dls.train)  # refuse, before the first batch, a loader no run could continue inside an epoch
         self.stop_signals.restore()  # a fit call that an exception ended left them
-        self.stop_signals = self._new_stop_signals()
+        self.stop_signals,self.runlog = self._new_stop_signals(),None
         plan = fit_plan(self.learn)  # before a resume point's optimizer state replaces the hyperparameters this call was given
         me = self.fit_calls.identify(self.learn, plan)
         self.fit_calls.start(self.fit_calls.which(me, self._refusal), me)
         self.skipped,self.stopped = False,False
         self.fits = self.fits[:self.fit_index] + [run_setup(self.learn, self.n_epoch)]
         self._add_seed_batches()
+        self.resumed_iter,self.resumed_from = None,None  # set by `_continue`
+        self.runlog = RunLog(self.store, self.fname, on=not rank_distrib())  # the run's story (`runlog`)
         try: self._decide(plan)
         except CancelFitException: raise
         except BaseException: self._cleanup(); raise
         self.fit_calls.unfinished,self.last_save = True,time.monotonic()
+        self.runlog.begin(self.fit_index, (self.n_epoch, self.fits[-1].get('n_iter')), self.resumed_from)
         self.stop_signals.install()
         self.worker_signals = WorkerSignals(self.stop_signals.old)  # the signals handled here are kept away from DataLoader workers
         self.worker_signals.start(self.dls.loaders)
@@ -172,6 +178,7 @@ class AutoResume(Callback):
 
     def after_batch(self):
         if not (self.fitting and self.training): return
+        self.runlog.reached(self.fit_index, *fit_position(self.learn), self.train_iter)  # how far a killed process got
         due = self.due or bool(self.every_iter and self.train_iter % self.every_iter == 0)
         if self.every_secs: due |= bool(agree(time.monotonic() - self.last_save >= self.every_secs))
         if stop := agree(self.stop_signals.signum): self._stop(stop)
@@ -196,6 +203,7 @@ class AutoResume(Callback):
             if not self.skipped: self._save(end=True)
             self.writer.wait()
             self.fit_calls.finish()
+            self.runlog.finished(self.fit_index, self.train_iter)
         finally: self._cleanup()
         if not (stop := agree(self.stop_signals.signum)): return
         self.stop_signals.signum,self.fit_calls.cut = stop,True  # a signal during the end's write: the next safe point
@@ -208,6 +216,7 @@ class AutoResume(Callback):
         "`Learner.fit` ended, whatever the way: after an exception, or Ctrl-C, put the handlers back and finish the write in flight"
         if not self.fitting: return
         self.fitting = False
+        if self.runlog is not None: self.runlog.ended('an exception')
         self._cleanup()
         try: self.writer.wait()
         except (WriteCancelled, KeyboardInterrupt): self._abandon()  # interrupted while it waits: the write is abandoned
@@ -224,7 +233,9 @@ class AutoResume(Callback):
         except Exception as e: self.found = e
         else:
             file,rec,_ = self.found
-            if file is not None and _finished(rec, self.fit_calls.done): hide_progress(self.learn)
+            done = file is not None and _finished(rec, self.fit_calls.done)
+            continue_trackers(self.learn, rec, self.fit_calls.done, done)  # see `trackers`
+            if done: hide_progress(self.learn)
 
     def _found(self):
         "What `_look` found at the start of this fit call (raising the error it met), or a scan now"
@@ -277,6 +288,7 @@ class AutoResume(Callback):
         self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
         try: load_through(self.learn, _stem(file), strict_hypers=None, state=state, elastic=self.elastic, fresh_callbacks=self.fresh_callbacks)
         except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
+        self.resumed_iter,self.resumed_from = rec['train_iter'],point_at(file_name(file), rec)
         self.ends = list(rec.get('ends', [])[:self.fit_index])
 
     def _load_end(self, file, plan):
@@ -355,6 +367,7 @@ class AutoResume(Callback):
         self.stopped,self.stop_signals.signum = True,signum
         self.stop_note = "resume point saved" if saved else f"no resume point was written there: {self._kept()}"
         ep,it = fit_position(self.learn)
+        self.runlog.stopped(signal.Signals(signum).name, self.fit_index, ep, it, self.train_iter, saved)
         self._say(f"AutoResume: stopped by {signal.Signals(signum).name} at {position_text(ep, it, self.n_epoch, len(self.dls.train))}; "
                   f"{self.stop_note}, run the same command again to continue", own_line=True)
         raise CancelFitException()

@@ -12,6 +12,7 @@ from . import __version__
 from .files import read_checkpoint, resume_record, CheckpointError
 from .history import history_log_info, unpack
 from .store import as_store, is_url, locate, LocalStore, StoreError
+from .runlog import read_runlog, run_summary, timeline
 
 # %% auto #0
 __all__ = ['digits_learner', 'weights_digest', 'checkpoint_info', 'main']
@@ -189,6 +190,12 @@ def _inspect(a)->int:
     print(json.dumps(dict(info, valid=True, numbering=_NUMBERING), indent=1) if a.json else _table(info))
     return 0
 
+# %% ../nbs/04_cli.ipynb #770b5ae4
+def _runs(store)->dict:
+    "The story of each run whose run log is in `store`, by its `fname`: its events and their summary"
+    names = sorted(e.name.removesuffix('.runlog') for e in store.ls() if e.name.endswith('.runlog'))
+    return {n: dict(events=(ev := read_runlog(store, n)), summary=run_summary(ev)) for n in names}
+
 # %% ../nbs/04_cli.ipynb #e1c788ea
 def _folder(d):
     "`d`, or `d/models` when only that holds checkpoints (the folder of a `Learner`'s `path`)"
@@ -218,7 +225,7 @@ def _ls(a)->int:
         rows.append((_when(e.modified or 0), _bytes(e.size), status, where, e.name))
         found.append(dict(name=e.name, status=status, **(info or dict(file=str(f), size=e.size, modified=e.modified, error=where))))
     if a.json:
-        print(json.dumps(dict(folder=store.url, checkpoints=found, numbering=_NUMBERING), indent=1))
+        print(json.dumps(dict(folder=store.url, checkpoints=found, numbering=_NUMBERING, runs=_runs(store)), indent=1))
         return 0
     if not entries:
         print(f"no checkpoints (*.pth) in {store.url}")
@@ -226,6 +233,8 @@ def _ls(a)->int:
     ws = [max(len(r[i]) for r in rows) for i in range(4)]
     print(f"{store.url}:")
     for r in rows: print('  '.join(f"{c:<{w}}" for c,w in zip(r, ws)) + '  ' + r[4])
+    for fname,run in _runs(store).items():
+        print(f"\nrun {fname} ({fname}.runlog):\n  " + '\n  '.join(timeline(run['events'])))
     return 0
 
 # %% ../nbs/04_cli.ipynb #af71e1e5
@@ -251,11 +260,20 @@ def _demo(a)->int:
           "(an uninterrupted run ends with the same digest)")
     return 0
 
+# %% ../nbs/04_cli.ipynb #b83d867b
+def _plot(a)->int:
+    "`plot`: matplotlib is imported here, not when the command starts"
+    from resumable_train.plot import plot_run
+    try: plot_run(_store(a.dir), a.out, fname=a.fname)
+    except (CheckpointError, StoreError) as e: return _err(e)
+    print(f"wrote {a.out}")
+    return 0
+
 # %% ../nbs/04_cli.ipynb #232f2cc6
 def _parser():
     p = argparse.ArgumentParser(prog='resumable-train', description="Exact resume for fastai training: look inside checkpoints, run the demo")
     p.add_argument('--version', action='version', version=f"resumable-train {__version__}")
-    sub = p.add_subparsers(dest='cmd', required=True, metavar='{inspect,ls,demo}')
+    sub = p.add_subparsers(dest='cmd', required=True, metavar='{inspect,ls,plot,demo}')
     s = sub.add_parser('inspect', help="what a checkpoint holds")
     s.add_argument('path', help="a .pth file or a .history log, or the URL of a .pth file (s3://bucket/run1/autoresume-0003.pth)")
     s.add_argument('--json', action='store_true', help="print JSON, for scripts")
@@ -264,6 +282,11 @@ def _parser():
     s.add_argument('dir', help="a folder of .pth files (or a Learner's path, whose models/ holds them), or a URL (s3://bucket/run1)")
     s.add_argument('--json', action='store_true', help="print JSON, for scripts")
     s.set_defaults(f=_ls)
+    s = sub.add_parser('plot', help="draw a run: loss per batch, metrics per epoch, learning rate, interruptions")
+    s.add_argument('dir', help="as for ls: a folder of resume points, a Learner's path, or a URL")
+    s.add_argument('-o', '--out', default='run.png', help="the PNG file to write (default: %(default)s)")
+    s.add_argument('--fname', default='autoresume', help="the name AutoResume was given (default: %(default)s)")
+    s.set_defaults(f=_plot)
     s = sub.add_parser('demo', help="train a small CNN on digits with AutoResume; Ctrl-C it, rerun it, it resumes")
     s.add_argument('--dir', type=Path, default=Path('resumable-train-demo'), help="where the run keeps its checkpoints (default: %(default)s)")
     s.add_argument('--epochs', type=int, default=5, help="epochs to train (default: %(default)s)")

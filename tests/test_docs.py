@@ -7,8 +7,9 @@ import resumable_train.all  # noqa: F401 (patches Learner)
 from fastai.learner import Learner
 import fastai.callback.schedule  # noqa: F401 (fit_one_cycle & co.)
 
-MODULES = ('atomic', 'records', 'history', 'files', 'store', 'errors', 'state', 'loaders', 'hooks', 'collectives', 'plans',
-           'snapshot', 'fastforward', 'seeding', 'learner', 'checkpoints', 'fitcalls', 'signals', 'autoresume', 'distributed', 'cli')
+MODULES = ('atomic', 'records', 'history', 'files', 'store', 'errors', 'runlog', 'state', 'loaders', 'hooks', 'collectives',
+           'plans', 'snapshot', 'fastforward', 'seeding', 'learner', 'trackers', 'checkpoints', 'fitcalls', 'signals',
+           'autoresume', 'distributed', 'cli', 'plot')
 
 def _table()->list:
     "The rows of the README's API table, as (names column, module)"

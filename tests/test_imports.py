@@ -10,7 +10,9 @@ from fastai.callback.core import defaults
 before = [c.__name__ for c in defaults.callbacks]
 import resumable_train, resumable_train.all
 after = [c.__name__ for c in defaults.callbacks]
-imported = sorted(m for m in ('fastai.callback.progress', 'fastai.callback.schedule', 'fastai.callback.tracker', 'torchdata', 'datasets') if m in sys.modules)
+imported = sorted(m for m in ('fastai.callback.progress', 'fastai.callback.schedule', 'fastai.callback.tracker',
+                           'torchdata', 'datasets', 'tensorboard', 'torch.utils.tensorboard', 'wandb')
+                  if m in sys.modules)
 from fastai.learner import Learner
 import fastai.callback.schedule  # the user's own import: fastai's default callbacks as without the package, and fit_one_cycle wrapped
 stock = [c.__name__ for c in defaults.callbacks]

@@ -101,7 +101,8 @@ def test_kill_and_rerun(forker, s3, ref, tmp_path):
     trained,snaps = kill_and_rerun(forker, SCRIPT, [url], tmp_path/'run', out, kills, env=s3.env)
     check_kill_and_rerun(ref['batches'], trained, snaps, ref['out'], out)
     before = objects(s3, 'kills/')
-    assert len(before) == 4, f"keep=2 resume points, each with its manifest: {sorted(before)}"
+    points = [k for k in before if not k.endswith('.runlog')]
+    assert len(points) == 4 and len(before) == 5, f"2 resume points, 2 manifests, the run log: {sorted(before)}"
     assert not batches(run_to_end(forker, SCRIPT, [out, url], env=s3.env, cwd=tmp_path/'run'))
     assert objects(s3, 'kills/') == before
 
@@ -121,7 +122,7 @@ def test_kill_during_upload(forker, s3, ref, tmp_path):
     assert rc == 0, text[-3000:]
     assert f'{url}/{cut} has no manifest' in text and 'skipping it' in text, text[:3000]
     same_as_ref(ref, out)
-    assert all(k.endswith('.pth') or k.endswith(MANIFEST) for k in objects(s3, 'upload/'))
+    assert all(k.endswith(('.pth', MANIFEST, '.runlog')) for k in objects(s3, 'upload/'))  # the run log: issue 21
     assert f'upload/{cut}' not in objects(s3, 'upload/'), "the unfinished upload is pruned once newer resume points are complete"
 
 def test_damaged_objects(forker, s3, ref, tmp_path):
@@ -129,7 +130,7 @@ def test_damaged_objects(forker, s3, ref, tmp_path):
     url,out = f's3://{s3.bucket}/damaged',tmp_path/'out.pth'
     rc,text = run(forker, [out, url, '--keep', '10'], dict(s3.env, KILLRERUN_SLEEP='0.05'), until=nth_batch(13))
     assert rc == -signal.SIGKILL
-    names = sorted((k for k in objects(s3, 'damaged/') if not k.endswith(MANIFEST)), reverse=True)
+    names = sorted((k for k in objects(s3, 'damaged/') if k.endswith('.pth')), reverse=True)
     assert len(names) >= 5, names
     c = s3.client()
     body = lambda k: c.get_object(Bucket=s3.bucket, Key=k)['Body'].read()
