@@ -52,7 +52,8 @@ def normalise(text:str)->str:
     return text
 
 _LOOSE = [  # (pattern, replacement), after _SUBS, for the notebooks in VARYING
-    (r'\b(?:after )?epoch \d+/\d+(?:, (?:after )?batch \d+/\d+)?', 'POSITION'),  # files.position_text's two forms
+    # files.position_text's two forms, and a fit call's end (`end of epoch 3/3`)
+    (r'\b(?:end of |after )?epoch \d+/\d+(?:, (?:after )?batch \d+/\d+)?', 'POSITION'),
     (r'\d+(?:\.\d+)?', 'N'),
     (r'[ \t]+', ' '),  # the columns of a table, aligned to the widest cell
 ]
