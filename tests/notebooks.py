@@ -55,6 +55,8 @@ _LOOSE = [  # (pattern, replacement), after _SUBS, for the notebooks in VARYING
     # files.position_text's two forms, and a fit call's end (`end of epoch 3/3`)
     (r'\b(?:end of |after )?epoch \d+/\d+(?:, (?:after )?batch \d+/\d+)?', 'POSITION'),
     (r'\d+(?:\.\d+)?', 'N'),
+    (r'; N batch(?:es)? trained again \(N\.NN s lost\)', ''),  # the run log's line of a resume after a kill
+    (r'\b(batch|interruption)(?:es|s)\b', r'\1'),  # a count that is 1 in one run and 2 in another
     (r'[ \t]+', ' '),  # the columns of a table, aligned to the widest cell
 ]
 
