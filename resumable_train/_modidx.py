@@ -352,6 +352,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                          'resumable_train.learner._n_rows': ('learner.html#_n_rows', 'resumable_train/learner.py'),
                                          'resumable_train.learner._plan_resume': ( 'learner.html#_plan_resume',
                                                                                    'resumable_train/learner.py'),
+                                         'resumable_train.learner._to_device': ('learner.html#_to_device', 'resumable_train/learner.py'),
                                          'resumable_train.learner.bypassed': ('learner.html#bypassed', 'resumable_train/learner.py'),
                                          'resumable_train.learner.load_through': ( 'learner.html#load_through',
                                                                                    'resumable_train/learner.py'),

@@ -144,6 +144,13 @@ def _check_load_kwargs(kwargs:dict):
     bad = [k for k in kwargs if k not in ('weights_only', 'mmap')]
     if bad: raise TypeError(f"Learner.load() got an unexpected keyword argument {bad[0]!r}")
 
+def _to_device(state:dict, device)->dict:
+    "`state` on `device`, but for its resume record: host data (random streams, histories) that its restorers put where it belongs"
+    rec = resume_record(state)
+    if rec is None: return to_device(state, device)
+    opt = to_device({k:v for k,v in state['opt'].items() if k != 'resume'}, device)
+    return dict(model=to_device(state['model'], device), opt=dict(opt, resume=rec))
+
 _stock_load = fastai_code('Learner.load')  # fastai's own (the version guard checks it)
 
 @patch
@@ -170,7 +177,7 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
     distrib_barrier()
     opt = with_opt is not False
     if state is None: state = read_on_rank0(file, history=with_iter and opt)
-    if device is not None: state = to_device(state, device)
+    if device is not None: state = _to_device(state, device)
     hasopt,rec = set(state) == {'model','opt'},resume_record(state)
     try: get_model(self.model).load_state_dict(_model_state(self, state['model'] if hasopt else state), strict=strict)
     except RuntimeError as e: raise CheckpointError(f"{file} does not match this Learner's model: {e}") from e

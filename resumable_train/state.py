@@ -37,7 +37,7 @@ def to_plain(o, copy:bool=False): # copy tensors to host memory, detached from t
 
 # %% ../nbs/00_state.ipynb #f3bf9088
 def _np_plain(s): return [s[0], torch.from_numpy(s[1].astype(np.int64)), *s[2:]]
-def _np_state(s): return (s[0], s[1].numpy().astype(np.uint32), *s[2:])
+def _np_state(s): return (s[0], s[1].cpu().numpy().astype(np.uint32), *s[2:])
 def _py_plain(s): return [s[0], torch.from_numpy(np.array(s[1], dtype=np.int64)), s[2]]
 def _py_state(s): return (s[0], tuple(s[1].tolist()), s[2])
 
