@@ -715,6 +715,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                           'resumable_train.trackers._Unlogged.__init__': ( 'trackers.html#_unlogged.__init__',
                                                                                            'resumable_train/trackers.py'),
                                           'resumable_train.trackers._is_a': ('trackers.html#_is_a', 'resumable_train/trackers.py'),
+                                          'resumable_train.trackers._keep_embeddings': ( 'trackers.html#_keep_embeddings',
+                                                                                         'resumable_train/trackers.py'),
                                           'resumable_train.trackers._off': ('trackers.html#_off', 'resumable_train/trackers.py'),
                                           'resumable_train.trackers._open_writer': ( 'trackers.html#_open_writer',
                                                                                      'resumable_train/trackers.py'),

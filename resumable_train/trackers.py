@@ -5,6 +5,7 @@
 # %% ../nbs/01h_trackers.ipynb #bea62d0d
 from __future__ import annotations
 from functools import partial
+from pathlib import Path
 from .state import register_state
 from .store import as_store
 
@@ -22,10 +23,21 @@ def _set_tb_state(cb, sd:dict): cb.log_dir = sd['log_dir']  # its writer is open
 
 register_state(_TB, _tb_state, _set_tb_state)
 
+def _keep_embeddings(writer, purge_step):
+    "Give `writer` the folder's projector embeddings logged before `purge_step`: it rewrites the projector's config with its own"
+    p = Path(writer.log_dir)/'projector_config.pbtxt'
+    if not p.exists(): return
+    from google.protobuf import text_format
+    from tensorboard.plugins.projector.projector_config_pb2 import ProjectorConfig
+    old = text_format.Parse(p.read_text(), ProjectorConfig()).embeddings
+    keep = [e for e in old if purge_step is None or int(e.tensor_name.rsplit(':', 1)[-1]) < purge_step]
+    writer._projector_config = ProjectorConfig(embeddings=keep)
+
 def _open_writer(cb, log_dir, purge_step):
     "`TensorBoardBaseCallback._setup_writer`, continuing the folder `log_dir` from step `purge_step`"
     from torch.utils.tensorboard import SummaryWriter
     cb.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
+    _keep_embeddings(cb.writer, purge_step)
 
 # %% ../nbs/01h_trackers.ipynb #b71d7c5e
 def _is_a(o, name:str)->bool: return any(f'{c.__module__}.{c.__qualname__}' == name for c in type(o).__mro__)
