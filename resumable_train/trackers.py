@@ -24,7 +24,7 @@ def _set_tb_state(cb, sd:dict): cb.log_dir = sd['log_dir']  # its writer is open
 register_state(_TB, _tb_state, _set_tb_state)
 
 def _keep_embeddings(writer, purge_step):
-    "Give `writer` the folder's projector embeddings logged before `purge_step`: it rewrites the projector's config with its own"
+    "Give `writer` the embeddings logged before `purge_step`: it rewrites the projector config with its own alone"
     p = Path(writer.log_dir)/'projector_config.pbtxt'
     if not p.exists(): return
     from google.protobuf import text_format
