@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_distributed.ipynb #fedd3fbd
 from __future__ import annotations
-import atexit, os, time, datetime, contextlib
+import atexit, gc, os, time, datetime, contextlib
 import numpy as np, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import GetAttr, patch
@@ -50,7 +50,9 @@ def init_distributed(timeout:float=600, # seconds a rank waits for the others in
 
 def _leave_group():
     "Leave the process group `init_distributed` joined, before the interpreter exits"
-    # left to the interpreter's exit, gloo's threads can abort the process after a finished run
+    # left to the interpreter's exit, gloo's threads can abort the process after a finished run ('terminate called
+    # without an active exception'): destroy it while python is whole, once what refers to it (a DDP) is collected
+    gc.collect()
     if _group(): dist.destroy_process_group()
 
 # %% ../nbs/03_distributed.ipynb #ecc87386
@@ -238,6 +240,7 @@ def _cleanup(self:DDPTrainer):
     if not self.fitting: return
     learn = self.learn
     learn.model,learn.dls.loaders,learn.logger = self.old['model'],self.old['loaders'],self.old['logger']
+    self.ddp = None  # its reducer holds the process group: freed now, not in the teardown (see `_leave_group`)
     for n in ('_call_one','_backward'): learn.__dict__.pop(n, None)
     self.null.close()
     self.fitting = False
