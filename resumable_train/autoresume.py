@@ -20,7 +20,7 @@ from .loaders import *
 from .hooks import hide_probes, hide_progress, refuse_fastai_ddp
 from .collectives import *
 from .collectives import read_on_rank0
-from .plans import fit_plan, plan_changes
+from .plans import run_setup, setup_diff, fit_plan, plan_changes
 from .snapshot import *
 from .snapshot import restore_streams, fit_position
 from .seeding import SeedBatches

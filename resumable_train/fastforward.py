@@ -12,7 +12,7 @@ from fastai.callback.core import Callback
 from .files import *
 from .state import *
 from .loaders import *
-from .plans import fit_plan, check_plan
+from .plans import run_setup, check_setup, fit_plan, check_plan
 from .snapshot import set_grad, restore_streams, restore_dls, epoch_streams
 
 # %% auto #0

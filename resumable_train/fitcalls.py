@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools, re, sys
 from pathlib import Path
 from .state import *
-from .plans import plan_changes
+from .plans import run_setup, setup_diff, plan_changes
 
 # %% auto #0
 __all__ = []

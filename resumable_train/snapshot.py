@@ -15,7 +15,7 @@ from .state import *
 from .state import logged_histories
 from .loaders import *
 from .hooks import fit_events
-from .plans import fit_plan_once
+from .plans import run_setup, fit_plan_once
 
 # %% auto #0
 __all__ = ['resume_point', 'checkpoint']

@@ -8,14 +8,14 @@ import itertools, os, random, time, weakref
 from pathlib import Path
 import numpy as np, torch
 from fastcore.foundation import L
-from fastai.torch_core import get_random_states, set_random_states, num_distrib, rank_distrib, get_model
+from fastai.torch_core import get_random_states, set_random_states, rank_distrib, get_model
 from .files import *
 from .history import unpack
 
 # %% auto #0
 __all__ = ['to_plain', 'rng_state', 'set_rng_state', 'dl_rng_state', 'set_dl_rng_state', 'register_state', 'has_state',
-           'state_of', 'restore_state', 'History', 'callback_states', 'load_callback_states', 'run_setup', 'setup_diff',
-           'check_setup', 'dl_states', 'load_dl_states', 'module_states', 'load_module_states']
+           'state_of', 'restore_state', 'History', 'callback_states', 'load_callback_states', 'dl_states',
+           'load_dl_states', 'module_states', 'load_module_states']
 
 # %% ../nbs/00_state.ipynb #45ebe4e0
 def to_plain(o, copy:bool=False): # copy tensors to host memory, detached from training
@@ -294,39 +294,6 @@ def load_callback_states(learn, sds:dict,
                          f"or accept them with fresh_callbacks={new!r} "
                          "(`AutoResume(fresh_callbacks=...)` or `learn.load(..., fresh_callbacks=...)`)")
     for k,sd in sds.items(): restore_state(cbs[k], sd)
-
-# %% ../nbs/00_state.ipynb #13b37f49
-def _arch(model)->list:
-    "`model`'s architecture: each module's name, class and settings (`extra_repr`: sizes, a dropout's `p`, ...)"
-    return [f"{n or 'model'}: {type(m).__name__}({m.extra_repr()})" for n,m in get_model(model).named_modules()]
-
-def run_setup(learn, n_epoch:int)->dict:
-    "What a resume point must agree on with the run that continues it"
-    dl = learn.dls.train
-    return dict(n_epoch=n_epoch, n_iter=len(dl), bs=getattr(dl, 'bs', getattr(dl, 'batch_size', None)),
-                n_items=getattr(dl, 'n', None) or len(dl.dataset),
-                n_params=sum(p.numel() for p in learn.model.parameters()),
-                schedule=getattr(learn, '_schedule', 'fit'), world_size=num_distrib() or 1, model=_arch(learn.model))
-
-def _arch_diff(saved:list, now:list)->str:
-    "Where two architectures differ, in words: the first modules that differ"
-    pairs = [(a, b) for a,b in zip(saved, now) if a != b][:3]
-    out = [f"{b.split(': ')[0]}: saved {a.partition(': ')[2]}, now {b.partition(': ')[2]}" for a,b in pairs]
-    if len(saved) != len(now): out.append(f"{len(saved)} modules saved, {len(now)} now")
-    return f"model {'; '.join(out)}"
-
-def setup_diff(saved:dict, now:dict, skip=())->list:
-    "What differs between two `run_setup`s, in words, but for keys in `skip` or absent from an older `saved`"
-    return [_arch_diff(saved[k], v) if k == 'model' else f"{k}: saved {saved[k]}, now {v}"
-            for k,v in now.items() if k not in skip and k in saved and saved[k] != v]
-
-def check_setup(saved:dict, now:dict, file=''):
-    "Raise if the run that saved a resume point differs from this one"
-    diff = setup_diff(saved, now)
-    if diff:
-        raise CheckpointError(f"{file} holds a resume point of a different run ({'; '.join(diff)}). "
-                              "Pass check_setup=False to resume anyway, or remove the file "
-                              "(or load it with with_iter=False) to start fresh")
 
 # %% ../nbs/00_state.ipynb #211668db
 def _lm_order(dl): return {'order': torch.tensor(list(dl.items.idxs)), 'seq_len': dl.seq_len}
