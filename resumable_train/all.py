@@ -8,6 +8,7 @@ __all__ = []
 # %% ../nbs/09_all.ipynb #a8cfaa7a
 from . import atomic, records, history, files, store, runlog, state, loaders, hooks, collectives, plans, snapshot
 from . import fastforward, seeding, learner, trackers, checkpoints, fitcalls, signals, autoresume, distributed, plot
+from . import shards
 from .cli import checkpoint_info, digits_learner, weights_digest
 from .atomic import *
 from .records import *
@@ -25,6 +26,7 @@ from .fastforward import *
 from .seeding import *
 from .learner import *
 from .trackers import *
+from .shards import *
 from .checkpoints import *
 from .fitcalls import *
 from .signals import *
@@ -32,6 +34,7 @@ from .autoresume import *
 from .distributed import *
 from .plot import *
 _modules = (atomic, records, history, files, store, runlog, state, loaders, hooks, collectives, plans, snapshot,
-            fastforward, seeding, learner, trackers, checkpoints, fitcalls, signals, autoresume, distributed, plot)
+            fastforward, seeding, learner, trackers, shards, checkpoints, fitcalls, signals, autoresume,
+            distributed, plot)
 _cli = ['checkpoint_info', 'digits_learner', 'weights_digest']
 __all__ = list(dict.fromkeys(n for m in _modules for n in m.__all__)) + _cli

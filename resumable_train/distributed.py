@@ -8,13 +8,13 @@ import atexit, gc, os, time, datetime, contextlib
 import numpy as np, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import GetAttr, patch
-from fastai.torch_core import to_detach, rank_distrib, noop
-from fastai.data.load import DataLoader, _FakeLoader
+from fastai.torch_core import to_detach, noop
 from fastai.callback.core import Callback, CancelFitException
 from .files import *
 from .state import *
 from .state import metric_state, set_metric_state, qualname
 from .loaders import *
+from .shards import ShardDL, shard, is_stream
 from .collectives import *
 from .collectives import world_size, group_device
 from .seeding import seeded
@@ -54,65 +54,6 @@ def _leave_group():
     # without an active exception'): destroy it while python is whole, once what refers to it (a DDP) is collected
     gc.collect()
     if _group(): dist.destroy_process_group()
-
-# %% ../nbs/03_distributed.ipynb #ecc87386
-@fastai_like
-class _ShardDL(DataLoader):
-    "This rank's share of `dl`: every `world_size`-th index of its order from `offset` on, padded to as many per rank"
-    _default = 'dl'
-    def __init__(self, dl, rank:int, world_size:int,
-                 offset:int=0, # samples of the epoch's order already trained (by a run on another number of processes)
-                 first:int=0, # the batch number the first batch of the share gets (`SkipToIter` starts there)
-                ):
-        if dl.n is None: raise ValueError("DDPTrainer can only shard DataLoaders of known length")
-        self.dl,self.rank,self.world_size,self.offset,self.first = dl,rank,world_size,offset,first
-        self.bs,self.drop_last,self.shuffle,self.indexed = dl.bs,dl.drop_last,dl.shuffle,dl.indexed
-        self.n,self.num_workers,self.offs = first*(dl.bs or 1) + -(-(dl.n-offset)//world_size),1,0
-        f = dl.fake_l
-        self.fake_l = _FakeLoader(self, f.pin_memory, f.num_workers, f.timeout, persistent_workers=f.persistent_workers,
-                                  pin_memory_device=f.pin_memory_device)
-
-    @property
-    def rng(self): return self.dl.rng
-    @property
-    def device(self): return self.dl.device
-    @device.setter
-    def device(self, d): self.dl.device = d
-
-    def get_idxs(self):
-        idxs = list(self.dl.get_idxs())[self.offset:]
-        pad = -len(idxs) % self.world_size
-        if pad: idxs += (idxs*pad)[:pad]
-        # placeholders that `SkipToIter` drops unread
-        return [None]*(self.first*(self.bs or 1)) + idxs[self.rank::self.world_size]
-
-    def after_iter(self):
-        self.dl.after_iter()
-        # the iterator `create_batches` left on `dl`; `DataLoader.__iter__` removes it from the shard
-        self.dl.__dict__.pop('it', None)
-
-def _to_inner(n):
-    def _f(self, *args, **kwargs): return getattr(self.dl, n)(*args, **kwargs)
-    _f.__name__ = n
-    return _f
-
-for _n in ('randomize','wif','before_iter','after_batch','create_batches','do_item','do_batch','new'):
-    setattr(_ShardDL, _n, _to_inner(_n))
-
-def _is_stream(dl)->bool:
-    "Is `dl` a stream or a loader with its own position (not fastai's), which yields each rank's part itself?"
-    if isinstance(dl, DataLoader): return False
-    return isinstance(getattr(dl, 'dataset', None), torch.utils.data.IterableDataset) or has_state(dl)
-
-def _shard(dl, rank:int, world_size:int):
-    "This rank's share of the training DataLoader `dl`: a fastai one sharded; a stream as it is (it yields its part)"
-    if _is_stream(dl): return dl
-    if not isinstance(dl, DataLoader):
-        raise TypeError("DDPTrainer shards fastai DataLoaders, and leaves a stream or a stateful loader (which yields "
-                        f"each rank's part itself) as it is; the training DataLoader is a {type(dl).__name__} over a "
-                        "map-style dataset, which it can neither share among the ranks nor resume rank by rank: "
-                        "build it with fastai (`DataLoaders.from_dsets`), or train in one process")
-    return _ShardDL(dl, rank, world_size)
 
 # %% ../nbs/03_distributed.ipynb #8511e83a
 # by name: importing
@@ -167,7 +108,7 @@ class DDPTrainer(Callback):
     def _data(self):
         "The training DataLoader this callback shards"
         dl = self.learn.dls.train
-        return dl.dl if isinstance(dl, _ShardDL) else dl
+        return dl.dl if isinstance(dl, ShardDL) else dl
 
     def _agree(self, stop:bool)->bool:
         "Has any rank asked to stop?"
@@ -225,7 +166,7 @@ def before_fit(self:DDPTrainer):
     states = self._collective(lambda: _broadcast([dl_rng_state(dl) for dl in learn.dls.loaders]),
                               "receive rank 0's data order")
     for dl,s in zip(learn.dls.loaders, states): set_dl_rng_state(dl, s)
-    learn.dls.loaders = [_shard(learn.dls.train, self.rank, self.world_size), *learn.dls.loaders[1:]]
+    learn.dls.loaders = [shard(learn.dls.train, self.rank, self.world_size), *learn.dls.loaders[1:]]
     if self.rank:
         learn.logger = noop
         for cb in learn.cbs:
@@ -283,7 +224,7 @@ def state_dict(self:DDPTrainer):
     er = getattr(skip, 'epoch_rng', None)
     pos,dl = fit_position(self.learn),self._data()
     # a stream's position: each rank's own
-    loader = loader_record(dl) if _is_stream(dl) and pos is not None and pos[1] else None
+    loader = loader_record(dl) if is_stream(dl) and pos is not None and pos[1] else None
     mine = to_plain(dict(rng=rng_state(), epoch_rng=er['rng'] if er else None, loader=loader), copy=True)
     ranks = [mine]
     if self.active:
@@ -323,7 +264,7 @@ def before_train(self:DDPTrainer):
     "In the epoch a resume on another world size starts inside, train the rest of its order, shared among the ranks"
     r = self.rest
     if r is None or r['epoch'] != self.epoch: return
-    self.learn.dl = _ShardDL(self._data(), self.rank, self.world_size, offset=r['offset'], first=r['first'])
+    self.learn.dl = ShardDL(self._data(), self.rank, self.world_size, offset=r['offset'], first=r['first'])
 
 @patch
 def _rest_pct(self:DDPTrainer, it:int)->float:
@@ -371,7 +312,7 @@ def plan_resume(self:DDPTrainer, rp:dict|None, # the resume point `learn.load` l
         self.rest = sd.get('rest')   # an epoch that an elastic resume started goes on as it began
         return
     if not elastic: raise world_error(file, saved, now)
-    if _is_stream(self._data()):
+    if is_stream(self._data()):
         raise CheckpointError(f"{file} holds a run on {saved} process(es) whose training data is a stream "
                               f"({type(self._data()).__name__}), whose position each rank keeps for its own part: "
                               f"on {now} process(es) every rank would read another part of it. Relaunch with {saved} "
@@ -386,7 +327,7 @@ def plan_resume(self:DDPTrainer, rp:dict|None, # the resume point `learn.load` l
         raise CheckpointError(f"{file} holds a run over {sd['n']} training samples in batches of {sd['bs']}; "
                               "this one has "
                               f"{getattr(dl, 'n', None)} in batches of {getattr(dl, 'bs', None)}")
-    full = _ShardDL(dl, 0, now)
+    full = ShardDL(dl, 0, now)
     # what this world size changes; the rest is checked
     rp['setup'] = dict(rp['setup'], n_iter=len(full), n_items=full.n, world_size=now)
     rp['callbacks'] = dict(rp['callbacks'], distributed_trainer=sd)

@@ -145,7 +145,7 @@ def _check_load_kwargs(kwargs:dict):
     if bad: raise TypeError(f"Learner.load() got an unexpected keyword argument {bad[0]!r}")
 
 def _to_device(state:dict, device)->dict:
-    "`state` on `device`, but for its resume record: host data (random streams, histories) that its restorers put where it belongs"
+    "`state` on `device`, but for its resume record: host data, which its restorers put where it belongs"
     rec = resume_record(state)
     if rec is None: return to_device(state, device)
     opt = to_device({k:v for k,v in state['opt'].items() if k != 'resume'}, device)
