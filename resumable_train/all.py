@@ -8,13 +8,14 @@ __all__ = []
 # %% ../nbs/09_all.ipynb #a8cfaa7a
 from . import atomic, records, history, files, store, runlog, state, loaders, hooks, collectives, plans, snapshot
 from . import fastforward, seeding, learner, trackers, checkpoints, fitcalls, signals, autoresume, distributed, plot
-from . import shards
+from . import shards, locks
 from .cli import checkpoint_info, digits_learner, weights_digest
 from .atomic import *
 from .records import *
 from .history import *
 from .files import *
 from .store import *
+from .locks import *
 from .runlog import *
 from .state import *
 from .loaders import *
@@ -35,6 +36,6 @@ from .distributed import *
 from .plot import *
 _modules = (atomic, records, history, files, store, runlog, state, loaders, hooks, collectives, plans, snapshot,
             fastforward, seeding, learner, trackers, shards, checkpoints, fitcalls, signals, autoresume,
-            distributed, plot)
+            distributed, plot, locks)
 _cli = ['checkpoint_info', 'digits_learner', 'weights_digest']
 __all__ = list(dict.fromkeys(n for m in _modules for n in m.__all__)) + _cli

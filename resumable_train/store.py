@@ -4,11 +4,11 @@
 
 # %% ../nbs/00b_store.ipynb #caee524e
 from __future__ import annotations
-import atexit, errno, fcntl, hashlib, inspect, json, os, re, socket, struct, tempfile, threading, time, warnings
+import errno, hashlib, json, tempfile, time
 from collections import namedtuple
 from datetime import datetime
 from pathlib import Path, PurePosixPath
-import fsspec, torch
+import fsspec
 from fastcore.basics import patch
 from fastcore.foundation import L
 from .files import write_checkpoint, read_checkpoint, CheckpointError
@@ -96,6 +96,10 @@ def _mismatch(file, man:bytes):
 # %% ../nbs/00b_store.ipynb #551d1a10
 class StoreError(OSError):
     "A store that cannot be reached or refuses a read or a write; the message names the URL and the cause"
+    @classmethod
+    def of(cls, what:str, url:str, e:Exception)->StoreError:
+        "The error of trying to `what` (read, write, lock, ...) `url` and getting `e`, in words"
+        return cls(f"Could not {what} {url}: {_cause(e)}")
 
 _REFUSED = (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
@@ -145,7 +149,7 @@ class FsspecStore(Store):
             try: return f(*args, **kwargs)
             except Exception as e:
                 if isinstance(e, FileNotFoundError) and absent is not _RAISE: return absent
-                if not _transient(e): raise StoreError(f"Could not {what} {url}: {_cause(e)}") from e
+                if not _transient(e): raise StoreError.of(what, url, e) from e
                 if i == self.retries:
                     raise StoreError(f"Could not {what} {url}: {_cause(e)}; "
                                      f"gave up after {i+1} attempts in {time.monotonic()-t0:.1f} s") from e
@@ -205,172 +209,6 @@ def remove(self:FsspecStore, name:str):
     for k in (self._key(name)+MANIFEST, self._key(name)):
         self._try('remove', self.fs.unstrip_protocol(k), self.fs.rm_file, k, absent=None)
 
-# %% ../nbs/00b_store.ipynb #fdabf0ba
-# the lock of each run this process holds: a local lock file's descriptor, or a remote `_Lease`, by lock path
-_held = {}
-
-def _tmp_files(folder, fname):
-    "The temporary files of writes of run `fname` (resume points and history logs) that did not finish"
-    pat = re.compile(rf'\.{re.escape(fname)}-(\d+\.pth|fit\d+\.history)\.\w+\.tmp')
-    return [p for p in Path(folder).iterdir() if pat.fullmatch(p.name)] if Path(folder).is_dir() else []
-
-def _holder(fd)->str:
-    "The process that holds the lock on `fd`, as the system reports it"
-    fmt = '@hhqqi'  # struct flock: l_type, l_whence, l_start, l_len, l_pid
-    query = struct.pack(fmt, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0).ljust(64, b'\0')
-    try: pid = struct.unpack_from(fmt, fcntl.fcntl(fd, fcntl.F_GETLK, query))[-1]
-    except OSError: return "another process"
-    return f"another process (pid {pid})" if pid > 0 else "another process"
-
-def _unlockable(f:Path, fd:int, e:OSError)->Path:
-    "Go on without the lock `f` on a file system without locks (some network and cloud-drive mounts), saying so"
-    warnings.warn(f"{f.parent} cannot be locked ({e.strerror}): a second process training the same run there is not "
-                  "refused, so start only one")
-    _held[str(f)] = fd  # once per folder and run; its temporary files may be another process's: they stay
-    return f
-
-@patch
-def lock(self:LocalStore, fname:str, # the run: its resume points are `{fname}-NNNN.pth`
-         wait:float=0)->Path: # seconds to wait for another process to release it
-    "Hold run `fname`'s lock until this process ends, or refuse naming its holder; remove its stale temporary files"
-    f = (self.folder/f'.{fname}.lock').absolute()
-    if str(f) in _held: return f
-    f.parent.mkdir(parents=True, exist_ok=True)
-    fd,deadline = os.open(f, os.O_RDWR|os.O_CREAT|os.O_CLOEXEC, 0o666),time.monotonic() + wait
-    while True:
-        try: fcntl.lockf(fd, fcntl.LOCK_EX|fcntl.LOCK_NB); break
-        except OSError as e:
-            if e.errno not in (errno.EACCES, errno.EAGAIN): return _unlockable(f, fd, e)
-            if time.monotonic() < deadline: time.sleep(0.1); continue
-            holder = _holder(fd)
-            os.close(fd)
-            raise RuntimeError(f"{f.parent} is in use: {holder} is training run '{fname}' there. Wait until it ends "
-                               "(AutoResume(wait=...) waits for it), stop it, "
-                               "or give AutoResume another fname") from None
-    _held[str(f)] = fd
-    # writes that a kill interrupted: no live process writes them
-    for p in _tmp_files(self.folder, fname): p.unlink(missing_ok=True)
-    return f
-
-@patch
-def unlock(self:LocalStore, fname:str):
-    "Let other processes train run `fname` again (for tests: a process holds its runs until it ends)"
-    fd = _held.pop(str((self.folder/f'.{fname}.lock').absolute()), None)
-    if fd is not None: os.close(fd)  # closing releases the lock
-
-# %% ../nbs/00b_store.ipynb #68ae7487
-_LEASE = 60.  # seconds a remote run lock lasts unless its holder renews it
-_warned_no_lock = set()
-
-def _boot_id()->str:
-    try: return Path('/proc/sys/kernel/random/boot_id').read_text().strip()
-    except OSError: return ''
-
-def _alive(pid)->bool:
-    try: os.kill(int(pid), 0)
-    except ProcessLookupError: return False
-    except (PermissionError, ValueError, TypeError): return True
-    return True
-
-def _gone(doc:dict)->bool:
-    "Whether the holder named in lock `doc` is gone: its lease ran out, or it was a process of this machine that ended"
-    if doc.get('expires', 0) < time.time(): return True
-    return doc.get('host') == socket.gethostname() and doc.get('boot') == _boot_id() and not _alive(doc.get('pid'))
-
-def _etag(response)->str|None: return response.get('ETag') if isinstance(response, dict) else None
-
-def _lock_doc(since:float, lease:float)->bytes:
-    "What a remote run lock says: its holder (host, boot, pid), since when it holds the run, when its lease runs out"
-    doc = dict(host=socket.gethostname(), boot=_boot_id(), pid=os.getpid(), since=since, expires=time.time() + lease)
-    return json.dumps(doc).encode()
-
-class _Lease:
-    "A remote run lock this process holds: renewed by a thread every third of `lease` seconds, removed when it ends"
-    def __init__(self, store, key, etag, lease, since):
-        self.store,self.key,self.etag,self.lease,self.since,self.stop = store,key,etag,lease,since,threading.Event()
-        threading.Thread(target=self._renew, daemon=True, name='resumable_train-lease').start()
-        atexit.register(self.release)
-
-    def doc(self)->bytes: return _lock_doc(self.since, self.lease)
-
-    def _renew(self):
-        failing = False  # warn once for a run of failed renewals
-        while not self.stop.wait(self.lease/3):
-            try: self.etag,failing = _etag(self.store.fs.pipe_file(self.key, self.doc(), IfMatch=self.etag)),False
-            except (FileNotFoundError, OSError) as e:
-                # removed, or rewritten by another process (If-Match)
-                if isinstance(e, FileNotFoundError) or e.errno == errno.EINVAL:
-                    warnings.warn(f"Lost the lock on {self.store.url}: another process took the run over, "
-                                  "or removed its lock; both may now write there")
-                    return
-                if not failing:
-                    warnings.warn(f"Could not renew the lock on {self.store.url} ({type(e).__name__}: {e}); "
-                                  "another machine may take the run over if this lasts past its lease of "
-                                  f"{self.lease:g} s")
-                failing = True
-
-    def release(self):
-        "Stop renewing, and remove the lock if it is still this process's"
-        self.stop.set()
-        try:
-            if self.store.fs.info(self.key).get('ETag') == self.etag: self.store.fs.rm_file(self.key)
-        except Exception: pass
-
-def _exclusive_writes(fs)->bool: return 'mode' in inspect.signature(fs._pipe_file).parameters
-
-@patch
-def _take(self:FsspecStore, key:str, lease:float):
-    "Write the lock `key` if absent, or over a holder that is gone: the new `_Lease`, or the holder's lock document"
-    since = time.time()
-    try: return _Lease(self, key, _etag(self.fs.pipe_file(key, _lock_doc(since, lease), mode='create')), lease, since)
-    except FileExistsError: pass
-    info = self.fs.info(key, refresh=True)
-    doc = json.loads(self.fs.cat_file(key))
-    if not _gone(doc): return doc
-    try:
-        etag = _etag(self.fs.pipe_file(key, _lock_doc(since, lease), IfMatch=info['ETag']))
-        return _Lease(self, key, etag, lease, since)
-    except OSError: return json.loads(self.fs.cat_file(key))  # another machine took it over first
-
-@patch
-def lock(self:FsspecStore, fname:str, # the run: its resume points are `{fname}-NNNN.pth`
-         wait:float=0, # seconds to wait for another machine to release it
-         lease:float=_LEASE): # seconds the lock lasts unless renewed (a dead machine's lock passes after it)
-    "Hold run `fname`'s lock until this process ends, or refuse naming its holder; warn once where it cannot lock"
-    key = self._key(f'.{fname}.lock')
-    if key in _held: return key
-    if 's3' not in L(self.fs.protocol):
-        if self.url not in _warned_no_lock and 'memory' not in L(self.fs.protocol):  # memory://: one process only
-            _warned_no_lock.add(self.url)
-            warnings.warn(f"{self.url}: this store has no conditional writes here, so two machines training run "
-                          f"'{fname}' there at once are not prevented; start one at a time")
-        return None
-    if not _exclusive_writes(self.fs):
-        import s3fs
-        raise StoreError(f"Cannot lock {self.url}: s3fs {s3fs.__version__} has no conditional writes, which AutoResume "
-                         "uses so that two machines cannot train one run; install a newer one: "
-                         "pip install 's3fs>=2024.12.0'")
-    deadline = time.monotonic() + wait
-    while True:
-        try: got = self._take(key, lease)
-        except (FileNotFoundError, PermissionError) as e:
-            raise StoreError(f"Could not lock {self.where(f'.{fname}.lock')}: {_cause(e)}") from e
-        if isinstance(got, _Lease): _held[key] = got; return key
-        if time.monotonic() >= deadline: break
-        time.sleep(1)
-    since = time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(got.get('since', 0)))
-    left = max(0, got.get('expires', 0) - time.time())
-    raise RuntimeError(f"{self.url} is in use: process {got.get('pid')} on {got.get('host')} has been training "
-                       f"run '{fname}' there since {since}. Wait until it ends (its lock passes {left:.0f} s after "
-                       "its last renewal if it died; AutoResume(wait=...) waits for it), stop it, "
-                       "or give AutoResume another fname")
-
-@patch
-def unlock(self:FsspecStore, fname:str):
-    "Let other machines train run `fname` again (for tests: a process holds its runs until it ends)"
-    lease = _held.pop(self._key(f'.{fname}.lock'), None)
-    if lease is not None: lease.release()
-
 # %% ../nbs/00b_store.ipynb #5ad5cf96
 def is_url(where)->bool:
     "Whether `where` is a remote fsspec URL (`s3://bucket/run1`), not a local folder"
@@ -391,3 +229,6 @@ def locate(file, **kwargs)->tuple:
         return as_store(folder, **kwargs),name
     p = Path(f.removeprefix('file://'))
     return LocalStore(p.parent),p.name
+
+# %% ../nbs/00b_store.ipynb #0b5e0001
+from . import locks  # noqa: F401 (the stores' `lock` and `unlock`: `locks` puts them on `LocalStore` and `FsspecStore`)

@@ -195,7 +195,7 @@ def test_second_run_refused(forker, s3, tmp_path):
 
 def test_lease_passes(s3):
     "A lock whose lease ran out (its machine died) is taken over; one within its lease, on another machine, is not; renewals keep it"
-    from resumable_train.store import _held
+    from resumable_train.locks import _held
     url,key = f's3://{s3.bucket}/lease','lease/.exp.lock'
     old = dict(host='elsewhere', boot='', pid=1, since=time.time()-100, expires=time.time()-1)
     s3.client().put_object(Bucket=s3.bucket, Key=key, Body=json.dumps(old).encode())
