@@ -12,7 +12,7 @@ from resumable_train.state import to_plain
 p = argparse.ArgumentParser()
 p.add_argument('--dir', required=True)
 p.add_argument('--out', required=True)
-p.add_argument('--sched', default='one_cycle', choices=['one_cycle', 'fine_tune', 'two'])
+p.add_argument('--sched', default='one_cycle', choices=['one_cycle', 'fine_tune', 'two', 'zero'])
 p.add_argument('--every', type=int, default=3)
 p.add_argument('--background', action='store_true')
 p.add_argument('--sleep', type=float, default=0.0, help='seconds to sleep in each training batch')
@@ -45,12 +45,14 @@ set_seed(11, reproducible=True)
 dls = synth_dbunch(bs=8, n_train=6, n_valid=2)
 model = nn.Sequential(nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Dropout(0.2)), nn.Linear(16, 1))
 cbs = [Report(), CSVLogger(append=True), EarlyStoppingCallback(patience=50), SaveModelCallback(fname='best')]
+if a.sched == 'zero': cbs.pop()  # fastai's SaveModelCallback loads its file after each fit: a fit(0) wrote none
 if not a.no_resume: cbs.append(AutoResume(every_iter=a.every, background=a.background, verbose=True))
 learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=mae, cbs=cbs, path=a.dir, lr=1e-2,
                 splitter=lambda m: [list(m[0].parameters()), list(m[1].parameters())])
 with learn.no_bar():
     if a.sched == 'one_cycle': learn.fit_one_cycle(4)
     elif a.sched == 'fine_tune': learn.fine_tune(2, freeze_epochs=2)
+    elif a.sched == 'zero': learn.fit(0); learn.fine_tune(2, freeze_epochs=0)  # three fit calls, two of 0 epochs
     else:
         learn.fit_one_cycle(2)
         learn.fit_one_cycle(2, lr_max=3e-3)

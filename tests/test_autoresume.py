@@ -86,6 +86,26 @@ def test_fine_tune_background(refs, tmp_path):
     assert batches(lines)[0][0] == '1', "the first fit call completed before and is not trained again"
     same(refs['fine_tune'], out)
 
+def test_fit_calls_of_no_epochs(tmp_path):
+    """fit(0), then fine_tune(2, freeze_epochs=0): killed in the last of the three calls, the rerun continues it exactly, and run
+    again after the end it trains nothing (before: every file of such a run was 'damaged', and each rerun trained everything again)"""
+    ref = tmp_path/'ref.pth'
+    lines = run_to_end(tmp_path/'ref', ref, '--sched', 'zero')
+    total = len(batches(lines))
+    assert total == 12 and {b[0] for b in batches(lines)} == {'2'}, "12 batches, all in the third fit call"
+    d,out = tmp_path/'run',tmp_path/'out.pth'
+    rc,_ = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:4] == ['2', '1', '2'], signal.SIGKILL,
+                     '--sched', 'zero', '--sleep', '0.05')
+    assert rc == -signal.SIGKILL
+    lines = run_to_end(d, out, '--sched', 'zero')
+    text = ''.join(lines)
+    assert 'damaged' not in text and any(l.startswith('AutoResume: continuing') for l in lines), text[-2000:]
+    assert 0 < len(batches(lines)) <= total - 6, "continued inside the last call's second epoch, not trained again"
+    same(ref, out)
+    lines = run_to_end(d, out, '--sched', 'zero')
+    assert batches(lines) == [] and torch.load(out, weights_only=True)['steps'] == 0
+    same(ref, out)
+
 def test_two_fits(refs, tmp_path):
     "A script with two fit_one_cycle calls, killed in the second"
     d,out = tmp_path/'run',tmp_path/'out.pth'

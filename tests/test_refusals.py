@@ -49,3 +49,10 @@ def test_locked_folder_is_its_message(tmp_path):
         assert len(lines) <= 3 and 'Traceback' not in err and 'Exception occured' not in err, err[-3000:]
         assert f"is in use: another process (pid {p.pid})" in lines[0] and 'AutoResume(wait=...)' in lines[0], lines
     finally: kill_group(p)
+
+def test_misspelled_keyword_refused(tmp_path):
+    "`learn.load('mid', with_itr=False)`: a TypeError, as fastai's own `load` gives (before: ignored, and the next fit resumed)"
+    code = ("from fastai.test_utils import synth_learner\nimport resumable_train.learner\n"
+            f"learn = synth_learner(path={str(tmp_path)!r})\nlearn.save('mid')\nlearn.load('mid', with_itr=False)\nprint('LOADED')")
+    rc,out,err = run([PY, '-c', code], timeout=120)
+    assert rc == 1 and 'LOADED' not in out and "unexpected keyword argument 'with_itr'" in err, (rc, err[-2000:])
