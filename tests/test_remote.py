@@ -216,8 +216,8 @@ def test_lease_passes(s3):
 
 def test_old_s3fs_refused(s3, monkeypatch):
     "An s3fs without conditional writes is refused with the version to install (the `s3` extra asks for it)"
-    import resumable_train.store as store
-    monkeypatch.setattr(store, '_exclusive_writes', lambda fs: False)
+    import resumable_train.locks as locks
+    monkeypatch.setattr(locks, '_exclusive_writes', lambda fs: False)
     with pytest.raises(StoreError, match=r"has no conditional writes.*pip install 's3fs>=2024.12.0'"):
         as_store(f's3://{s3.bucket}/old', **s3.options()).lock('exp')
 
