@@ -97,9 +97,11 @@ def _mismatch(file, man:bytes):
 class StoreError(OSError):
     "A store that cannot be reached or refuses a read or a write; the message names the URL and the cause"
     @classmethod
-    def of(cls, what:str, url:str, e:Exception)->StoreError:
+    def of(cls, what:str, url:str, e:Exception,
+           more:str='', # what else to say, after the cause
+          )->StoreError:
         "The error of trying to `what` (read, write, lock, ...) `url` and getting `e`, in words"
-        return cls(f"Could not {what} {url}: {_cause(e)}")
+        return cls(f"Could not {what} {url}: {_cause(e)}" + (f"; {more}" if more else ''))
 
 _REFUSED = (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
@@ -151,8 +153,8 @@ class FsspecStore(Store):
                 if isinstance(e, FileNotFoundError) and absent is not _RAISE: return absent
                 if not _transient(e): raise StoreError.of(what, url, e) from e
                 if i == self.retries:
-                    raise StoreError(f"Could not {what} {url}: {_cause(e)}; "
-                                     f"gave up after {i+1} attempts in {time.monotonic()-t0:.1f} s") from e
+                    gave_up = f"gave up after {i+1} attempts in {time.monotonic()-t0:.1f} s"
+                    raise StoreError.of(what, url, e, gave_up) from e
                 time.sleep(self.backoff * 2**i)
 
 # %% ../nbs/00b_store.ipynb #945f9fe6
