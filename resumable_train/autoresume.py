@@ -5,7 +5,9 @@
 # %% ../nbs/02c_autoresume.ipynb #784552e6
 from __future__ import annotations
 import signal, time, warnings
+from copy import copy
 from functools import partial
+import torch
 from pathlib import Path
 from fastcore.basics import store_attr
 from fastcore.foundation import L
@@ -16,6 +18,7 @@ from .files import *
 from .atomic import WriteCancelled
 from .store import *
 from .state import *
+from .state import qualname
 from .loaders import *
 from .hooks import hide_probes, hide_progress, refuse_fastai_ddp
 from .collectives import *
@@ -28,7 +31,7 @@ from .learner import *
 from .learner import log_history, load_through, bypassed
 from .checkpoints import *
 from .checkpoints import Writer, host_copy, entries, file_name, scan_run, holder_rank
-from .fitcalls import FitCalls
+from .fitcalls import FitCalls, run_state, start_digest
 from .signals import SIGNALS, StopSignals, WorkerSignals
 from .runlog import RunLog, point_at
 from .trackers import continue_trackers
@@ -75,7 +78,7 @@ def _setup_refusal(rec, i:int, diff:list)->str:
 
 # %% ../nbs/02c_autoresume.ipynb #fa315d45
 class _AutoResumeLook(Callback):
-    "Scans `AutoResume`'s run before any other callback's `before_fit`"
+    "Decides where `AutoResume`'s fit call starts before any other callback's `before_fit`"
     order = TrainEvalCallback.order-1
     def __init__(self, ar): self.ar = ar
     def before_fit(self): self.ar._look()
@@ -87,6 +90,28 @@ def _set_learn(self, learn):
     if old is not None and old is not learn: old.remove_cb(look); hide_probes(old, False)
     if learn is not None and look not in learn.cbs: learn.add_cb(look)
 
+def _user_callback(cb)->bool:
+    "Is `cb` a callback of the user's own, which keeps no state in resume points?"
+    mod = type(cb).__module__.partition('.')[0]
+    return mod not in ('fastai', 'fastprogress', 'resumable_train') and not has_state(cb)
+
+def _plain_vars(cb)->dict:
+    "The plain values (numbers, text, tensors, lists of numbers) among `cb`'s own attributes"
+    out = {}
+    for k,v in vars(cb).items():
+        if k.startswith('_') or k in ('learn', 'run'): continue
+        if isinstance(v, torch.Tensor): out[k] = v.detach().clone()
+        elif isinstance(v, (bool, int, float, str)) or (isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)):
+            out[k] = copy(v)
+    return out
+
+_warned = set()  # the classes of the callbacks named in a warning: one warning a class
+
+def _same_value(a, b)->bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return type(a) == type(b) and a == b
+
 class AutoResume(Callback):
     "Write atomic, durable resume points while training; continue from the newest valid one when the script runs again"
     order = 95  # after every callback whose state it saves: `Recorder` (50), schedulers (60), trackers (61-63)
@@ -97,7 +122,7 @@ class AutoResume(Callback):
                  background:bool=False, # write from a background thread
                  signals=SIGNALS, # signals that save a resume point and stop
                  verbose:bool=True, # say where training resumed
-                 strict_hypers:bool=False, # refuse a fit call asked for other hyperparameters (by default: a warning)
+                 strict_hypers:bool=False, # refuse a fit call asked for other hyperparameters (by default: applied, warned)
                  wait:float=0, # seconds to wait for another process training this run (by default refuse at once)
                  elastic:bool=False, # continue a resume point of another number of processes (see `DDPTrainer`)
                  dir=None, # a folder, an fsspec URL or a store; by default `learn.path/learn.model_dir`
@@ -110,17 +135,37 @@ class AutoResume(Callback):
                              "not continue")
         store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,'
                    'stop_wait,fresh_callbacks,replay')
-        self.fit_calls,self.fits,self.ends,self.due,self.last_point = FitCalls(),[],[],False,None
-        self.writer,self.host_copy,self.fitting,self.skipped,self.stopped = Writer(background),None,False,False,False
-        self.stop_signals,self.runlog = self._new_stop_signals(),None
+        self.writer = Writer(background)
+        self._idle()
         self.resumed_iter,self.resumed_from = None,None  # the `train_iter` this fit call resumed at, and where from
 
-    # `learn.export` pickles the callbacks: the handlers and the run log stay with this process
-    def __getstate__(self): return dict(self.__dict__, stop_signals=None, runlog=None)
+    def _idle(self):
+        "The state between fit calls: every field a fit call sets, at rest (see the table above)"
+        self.state,self.decision,self.run_state = 'idle',None,None
+        self.stop_signals,self.worker_signals,self.runlog,self.host_copy = self._new_stop_signals(),None,None,None
+        self.added_seed,self.due,self.last_point,self.next_num,self.src = False,False,None,1,0
+        self.watched,self.last_epoch,self.stop_note = [],None,''
+
+    # `learn.export` pickles the callbacks: the run, the handlers and the run log stay with this process
+    def __getstate__(self):
+        return {k:v for k,v in self.__dict__.items() if k in ('_learn', '_look_cb', 'writer', 'resumed_iter', 'resumed_from')
+                or k in 'fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,'
+                        'stop_wait,fresh_callbacks,replay'.split(',')}
+    def __setstate__(self, d): self.__dict__.update(d); self._idle()
     learn = property(lambda self: self.__dict__.get('_learn'), _set_learn)
 
     @property
+    def fit_calls(self)->FitCalls: return self.run_state.calls if self.run_state else FitCalls()
+    @property
     def fit_index(self)->int: return self.fit_calls.index  # the number of the running (or last) fit call, from 0
+    @property
+    def fits(self)->list: return self.run_state.fits if self.run_state else []  # the setup of each fit call
+    @property
+    def ends(self)->list: return self.run_state.ends if self.run_state else []  # the end state of each completed call
+    @ends.setter
+    def ends(self, v): self.run_state.ends = v
+    @property
+    def stopped(self)->bool: return bool(self.stop_signals.signum)  # the last fit call was stopped by a signal
     @property
     def store(self):
         "Where the resume points live"
@@ -145,37 +190,98 @@ class AutoResume(Callback):
 
     def _refusal(self, what): return _refusal(self.folder, self.fname, what)
 
+    # ---- deciding, before any other callback's `before_fit`
+    def _look(self):
+        "Decide where this fit call starts, refusing before anything is printed or trained; `state` 'looking' after it"
+        if self.state != 'idle' or hasattr(self.learn, 'lr_finder') or not self.learn.resume.fitting: return
+        self._idle()  # every fit call starts from the same state: no signal noted, nothing decided
+        self.state = 'looking'
+        try:
+            refuse_fastai_ddp(self.learn)
+            hide_probes(self.learn)
+            check_resumable(self.dls.train)
+            if self.replay: allow_replay(self.dls.train)
+            # refuse, before the first batch, a loader that no run could continue inside an epoch
+            if self.every_iter or self.every_secs: loader_kind(self.dls.train)
+            self.run_state = run_state(self.store, self.fname)
+            plan = fit_plan(self.learn)  # before a resume point's optimizer state replaces the hyperparameters it was given
+            self.decision = self._decide(plan)
+            file,rec = self.decision[1:3]
+            # the previous call's end, before any other callback starts this one, as if this process had made it
+            if self.decision[0] == 'after': self._load_end(self.store.where(self.ends[-1]), self.fit_index-1)
+            done = self.decision[0] == 'skip'
+            continue_trackers(self.learn, rec, self.fit_index if file else self.fit_calls.done, done)  # see `trackers`
+            if done: hide_progress(self.learn)
+        except BaseException: self._cleanup(); raise
+
+    def _scan(self):
+        "The newest valid resume point of the run, any node's: `(file, record, checkpoint)`; and the next file number"
+        file,state,self.src,self.next_num = scan_run(self.store, self.fname, self.wait)
+        return file, (None if file is None else resume_record(state)), state
+
+    def _decide(self, plan)->tuple:
+        "Which fit call this is and how it starts: `('start'|'skip'|'continue', file, record, checkpoint)`"
+        rs,calls = self.run_state,self.fit_calls
+        me = calls.identify(self.learn, plan)
+        n = i = calls.which(me, self._refusal)
+        file,rec,state = self._scan()
+        digest = start_digest(self.learn)
+        if file is not None and rec.get('fit_index') is not None: i = rs.jump(i, digest, rec)  # a cached stage
+        rs.begin(i, me, run_setup(self.learn, self.n_epoch), digest, rec if file is not None else None)
+        if calls.unfinished and (file is None or rec.get('fit_index', -1) < i):
+            raise CheckpointError(f"AutoResume: fit call {i+1} stopped in this process before it wrote a resume point "
+                                  f"in {self.folder}, so the Learner no longer holds the state that call started from. "
+                                  "Run the script again (in a notebook: restart the kernel and run its cells again): "
+                                  "the completed fit calls are loaded, not trained again")
+        if file is None:
+            self.ends = self.ends[:i]
+            return ('start', None, None, None)
+        if rec.get('fit_index') is None:
+            raise _different_run(self.folder, self.fname, f"{file_name(file)} was not written by AutoResume")
+        self.last_point = (file, _describe(rec))
+        skip = _WORLD_KEYS if self.elastic else ()
+        diff = [] if i >= len(rec['fits']) else setup_diff(rec['fits'][i], self.fits[-1], skip=skip)
+        if diff: raise _different_run(self.folder, self.fname, _setup_refusal(rec, i, diff))
+        if _finished(rec, i):
+            self._hypers_changed(rec.get('plan') if rec['fit_index'] == i else None, plan, file,
+                                 "its result is used as it is")
+            return ('skip', file, rec, None)
+        if rec['fit_index'] == i:
+            self._hypers_changed(rec.get('plan'), plan, file,
+                                 "they apply from that resume point on, so the result matches neither run")
+            return ('continue', file, rec, state)
+        if (rec['fit_index'], rec['epoch'] is None) != (i-1, True):
+            raise self._refusal(f"AutoResume: the newest resume point in {self.folder} is at {_describe(rec)}, but "
+                                f"this process has already finished fit call {i}: the files changed while it ran")
+        self.ends = list(rec.get('ends', [])[:i])
+        return ('after' if i > n else 'start', file, rec, None)  # 'after': this process did not make call i-1
+
     # ---- the events
     def before_fit(self):
         if hasattr(self.learn, 'lr_finder'): self.run = False; return  # `lr_find` is not a fit call of the run
-        self.fitting = getattr(self.learn, '_fitting', False)
-        # `validate` and `get_preds` send `before_fit` too; a fit that bypasses `Learner.fit` fails in `before_train`
-        if not self.fitting: return
-        check_resumable(self.dls.train)
-        if self.replay: allow_replay(self.dls.train)
-        # refuse, before the first batch, a loader that no run could continue inside an epoch
-        if self.every_iter or self.every_secs: loader_kind(self.dls.train)
-        self.stop_signals.restore()  # a fit call that an exception ended left them
-        self.stop_signals,self.runlog = self._new_stop_signals(),None
-        plan = fit_plan(self.learn)  # before a resume point's optimizer state replaces the hyperparameters it was given
-        me = self.fit_calls.identify(self.learn, plan)
-        self.fit_calls.start(self.fit_calls.which(me, self._refusal), me)
-        self.skipped,self.stopped = False,False
-        self.fits = self.fits[:self.fit_index] + [run_setup(self.learn, self.n_epoch)]
-        self._add_seed_batches()
-        self.resumed_iter,self.resumed_from = None,None  # set by `_continue`
-        self.runlog = RunLog(self.store, self.fname, on=not rank_distrib())  # the run's story (`runlog`)
-        try: self._decide(plan)
-        except CancelFitException: raise
+        if self.state != 'looking': return  # `validate` and `get_preds` send `before_fit` too
+        try:
+            self.resumed_iter,self.resumed_from = None,None  # set by `_continue`
+            self.runlog = RunLog(self.store, self.fname, on=not rank_distrib())  # the run's story (`runlog`)
+            kind,file,rec,state = self.decision
+            if kind == 'skip': return self._skip(file, rec)
+            if kind == 'after': self._say(f"AutoResume: fit call {self.fit_index} finished in an earlier run; its end "
+                                          f"state is loaded from {self.store.where(self.ends[-1])}")
+            if kind == 'continue': self._continue(file, rec, state)
+            self._add_seed_batches()
+            self.state,self.last_save = 'training',time.monotonic()
+            self.fit_calls.unfinished = self.run_state.trained = True
+            fresh = kind == 'start' and self.fit_index == 0 and file is None
+            self.runlog.begin(self.fit_index, (self.n_epoch, self.fits[-1].get('n_iter')), self.resumed_from, fresh=fresh)
+            mine = (self, self._look_cb)
+            self.watched = [(cb, _plain_vars(cb)) for cb in self.learn.cbs if _user_callback(cb) and cb not in mine]
+            self.stop_signals.install()
+            self.worker_signals = WorkerSignals(self.stop_signals.old)  # the signals handled here, not in workers
+            self.worker_signals.start(self.dls.loaders)
         except BaseException: self._cleanup(); raise
-        self.fit_calls.unfinished,self.last_save = True,time.monotonic()
-        self.runlog.begin(self.fit_index, (self.n_epoch, self.fits[-1].get('n_iter')), self.resumed_from)
-        self.stop_signals.install()
-        self.worker_signals = WorkerSignals(self.stop_signals.old)  # the signals handled here, not in workers
-        self.worker_signals.start(self.dls.loaders)
 
     def before_train(self):
-        if not self.fitting: raise bypassed(self.learn, 'fit')
+        if self.state == 'idle': raise bypassed(self.learn, 'fit')
         self._hold_signals()
     def before_validate(self): self._hold_signals()
     def before_batch(self): self._hold_signals(False)
@@ -183,7 +289,7 @@ class AutoResume(Callback):
     def after_validate(self): self._hold_signals(False)
 
     def after_batch(self):
-        if not (self.fitting and self.training): return
+        if not (self.state == 'training' and self.training): return
         self.runlog.reached(self.fit_index, *fit_position(self.learn), self.train_iter)  # how far a killed process got
         due = self.due or bool(self.every_iter and self.train_iter % self.every_iter == 0)
         if self.every_secs: due |= bool(agree(time.monotonic() - self.last_save >= self.every_secs))
@@ -191,22 +297,22 @@ class AutoResume(Callback):
         elif due: self._save(periodic=True)
 
     def after_epoch(self):
-        if not self.fitting: return
+        if self.state != 'training': return
         if stop := agree(self.stop_signals.signum): self._stop(stop)
         else: self._save()
 
     def after_cancel_fit(self):
         "A stop by a signal ends the process here, before other callbacks' `after_fit` (which may fail on a cut run)"
-        if not (self.fitting and self.stopped): return
-        self.fitting = False
+        if self.state != 'stopping': return
         self._cleanup()
         self._exit()
 
     def after_fit(self):
-        if not self.fitting: return
-        self.fitting = False
+        if self.state not in ('training', 'skipping'): return
+        skipped = self.state == 'skipping'
         try:
-            if not self.skipped: self._save(end=True)
+            if skipped: self.learn.epoch = self.last_epoch  # the epoch the finished call ended in
+            else: self._save(end=True)
             self.writer.wait()
             self.fit_calls.finish()
             self.runlog.finished(self.fit_index, self.train_iter)
@@ -220,84 +326,34 @@ class AutoResume(Callback):
 
     def left_fit(self):
         "`Learner.fit` ended, whatever the way: put the handlers back and finish the write in flight"
-        if not self.fitting: return
-        self.fitting = False
+        if self.state == 'idle': return
         if self.runlog is not None: self.runlog.ended('an exception')
         self._cleanup()
         try: self.writer.wait()
         except (WriteCancelled, KeyboardInterrupt): self._abandon()  # interrupted while it waits: abandoned
         except Exception as e: warnings.warn(f"AutoResume: the resume point being written failed ({e}); {self._kept()}")
 
-    # ---- finding where the run stands
-    def _look(self):
-        "Scan the run first; when this fit call finished in an earlier run, switch off its progress bar for this fit"
-        self.found = None
-        if hasattr(self.learn, 'lr_finder') or not getattr(self.learn, '_fitting', False): return
-        refuse_fastai_ddp(self.learn)
-        hide_probes(self.learn)
-        try: self.found = self._scan()
-        except Exception as e: self.found = e
-        else:
-            file,rec,_ = self.found
-            done = file is not None and _finished(rec, self.fit_calls.done)
-            continue_trackers(self.learn, rec, self.fit_calls.done, done)  # see `trackers`
-            if done: hide_progress(self.learn)
-
-    def _found(self):
-        "What `_look` found at the start of this fit call (raising the error it met), or a scan now"
-        found,self.found = getattr(self, 'found', None),None
-        if isinstance(found, Exception): raise found
-        return found or self._scan()
-
-    def _scan(self):
-        "The newest valid resume point of the run, any node's: `(file, record, checkpoint)`; and the next file number"
-        file,state,self.src,self.next_num = scan_run(self.store, self.fname, self.wait)
-        return file, (None if file is None else resume_record(state)), state
-
-    def _decide(self, plan):
-        "Skip, resume or start this fit call, from the newest valid resume point of the run (see above)"
-        i,calls = self.fit_index,self.fit_calls
-        file,rec,state = self._found()
-        if calls.unfinished and (file is None or rec.get('fit_index', -1) < i):
-            raise CheckpointError(f"AutoResume: fit call {i+1} stopped in this process before it wrote a resume point "
-                                  f"in {self.folder}, so the Learner no longer holds the state that call started from. "
-                                  "Build the Learner again and run its fit calls again: the completed ones are loaded, "
-                                  "not trained again")
-        if file is None: self.ends = self.ends[:i]; return
-        if rec.get('fit_index') is None:
-            raise _different_run(self.folder, self.fname, f"{file_name(file)} was not written by AutoResume")
-        self.last_point = (file, _describe(rec))
-        skip = _WORLD_KEYS if self.elastic else ()
-        diff = [] if i >= len(rec['fits']) else setup_diff(rec['fits'][i], self.fits[-1], skip=skip)
-        if diff: raise _different_run(self.folder, self.fname, _setup_refusal(rec, i, diff))
-        if _finished(rec, i): return self._skip(file, rec, plan)
-        if rec['fit_index'] == i: return self._continue(file, rec, state, plan)
-        if (rec['fit_index'], rec['epoch'] is None) != (i-1, True):
-            raise self._refusal(f"AutoResume: the newest resume point in {self.folder} is at {_describe(rec)}, but "
-                                f"this process has already finished fit call {i}: the files changed while it ran")
-        self.ends = list(rec.get('ends', [])[:i])
-
-    def _skip(self, file, rec, plan):
-        "Fit call `i` finished: load its end state from the ledger, say so, and train nothing"
+    # ---- starting from what was found
+    def _skip(self, file, rec):
+        "Fit call `i` finished: load its end state from the ledger, say so, and train nothing (a fit of no epochs)"
         i,ends = self.fit_index,rec.get('ends', [])
         name = file_name(file) if rec['fit_index'] == i else ends[i] if i < len(ends) else None
         if name is None: raise self._refusal(f"AutoResume: fit call {i+1} finished in an earlier run, but {file} "
                                              "does not name the file of its end state")
-        end_rec = self._load_end(self.store.where(name), plan)
-        if rec['fit_index'] == i and not self.fit_calls.again:
-            self._say(f"AutoResume: this run already finished at {file} ({_describe(end_rec)}); nothing to train. "
-                      "To train on from there, add another fit call after this one; to train again, delete "
-                      f"{self.folder}/{self.fname}-*.pth.")
-        else:
-            when = 'before the interruption' if self.fit_calls.again else 'in an earlier run'
-            where = self.store.where(name)
-            self._say(f"AutoResume: fit call {i+1} finished {when}; its end state is loaded from {where}")
-        self.skipped = True
-        raise CancelFitException()
+        where = self.store.where(name)
+        end_rec = self._load_end(where, i)
+        when = 'before the interruption' if self.fit_calls.again else 'in an earlier run'
+        self._say(f"AutoResume: fit call {i+1} finished {when}; its end state is loaded from {where}")
+        last = rec['fit_index'] == i and rec['epoch'] is None  # the files hold nothing after this call
+        self.run_state.finished_note = None if not (last and self.verbose) or rank_distrib() else (
+            f"AutoResume: this run already finished at {where} ({_describe(end_rec)}); nothing was trained. To train on "
+            "from there, add another fit call after the last one; to train again, delete "
+            f"{self.folder}/{self.fname}-*.pth.")
+        self.state = 'skipping'
+        self.learn.resume.skip()
 
-    def _continue(self, file, rec, state, plan):
+    def _continue(self, file, rec, state):
         "Continue this fit call from its resume point `file`"
-        self._hypers_changed(rec.get('plan'), plan, file, "continuing anyway, so the result matches neither run")
         self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
         try: load_through(self.learn, _stem(file), strict_hypers=None, state=state, elastic=self.elastic,
                           fresh_callbacks=self.fresh_callbacks)
@@ -305,9 +361,8 @@ class AutoResume(Callback):
         self.resumed_iter,self.resumed_from = rec['train_iter'],point_at(file_name(file), rec)
         self.ends = list(rec.get('ends', [])[:self.fit_index])
 
-    def _load_end(self, file, plan):
-        "Leave the Learner as this fit call left it: the end state in `file` (hyperparameters checked against `plan`)"
-        i = self.fit_index
+    def _load_end(self, file, i:int):
+        "Leave the Learner as fit call `i` left it: the end state in `file`"
         try: state = read_on_rank0(file, holder_rank(self.store, file_name(file), self.src))  # a node that holds it
         except CheckpointError as e:
             raise self._refusal(f"AutoResume: fit call {i+1} finished in an earlier run, but its end state cannot be "
@@ -315,11 +370,10 @@ class AutoResume(Callback):
         rec = resume_record(state)
         if rec is None or rec.get('fit_index') != i or rec.get('epoch') is not None:
             raise self._refusal(f"AutoResume: {file} is named as the end state of fit call {i+1} but does not hold it")
-        self._hypers_changed(rec.get('plan'), plan, file, "its result is used as it is")
         load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)
         restore_streams(self.learn, rec, fresh=self.fresh_callbacks)
         self.learn.train_iter,self.learn.pct_train = rec['train_iter'],rec['pct_train']
-        if rec.get('last_epoch') is not None: self.learn.epoch = rec['last_epoch']
+        self.last_epoch = rec.get('last_epoch', self.n_epoch-1)
         self.ends = list(rec.get('ends', [])[:i]) + [file_name(file)]  # records of 0.1.0 have no ledger
         return rec
 
@@ -341,10 +395,15 @@ class AutoResume(Callback):
         "Write a resume point at this moment of training; the name it is written as (`None`: not written)"
         self.due = periodic and self.background and bool(agree(self.writer.busy))
         if self.due: return  # the previous one is still being written: this one is taken at a batch after it
+        self._check_watched()
         name = f'{self.fname}-{self.next_num:04d}.pth'
         self.next_num += 1
         ends = self.ends[:self.fit_index] + ([name] if end else [])
-        extra = dict(fit_index=self.fit_index, fits=self.fits, ends=ends, **({'last_epoch': self.epoch} if end else {}))
+        rs = self.run_state
+        # at the end, the weights the next call would start from: a rerun that loads them from a cache makes that call
+        starts = rs.starts[:self.fit_index+1] + ([start_digest(self.learn)] if end else [])
+        extra = dict(fit_index=self.fit_index, fits=rs.fits, ends=ends, starts=starts,
+                     **({'last_epoch': self.epoch} if end else {}))
         if end: self.ends = ends
         if rank_distrib(): return self.learn.save(_stem(self.store.where(name)), extra=extra) and name
         if not self.writer.wait(stopping): return  # before copying: one copy of the state at a time
@@ -355,6 +414,18 @@ class AutoResume(Callback):
         self.writer(partial(self._write, ck, name, start), then=self._prune, background=bg)
         self.last_save = time.monotonic()
         return name
+
+    def _check_watched(self):
+        "Warn once for each callback of the user's whose attributes changed while training but that keeps no state"
+        for cb,then in self.watched:
+            if qualname(type(cb)) in _warned: continue
+            now = _plain_vars(cb)
+            changed = [a for a in then if a in now and not _same_value(then[a], now[a])]
+            if not changed: continue
+            _warned.add(qualname(type(cb)))  # once a process
+            warnings.warn(f"AutoResume: callback {type(cb).__name__} changed its attributes {', '.join(changed)} while "
+                          "training, but has no state_dict: resume points do not keep them, so a resumed run may end "
+                          f"elsewhere. Give {type(cb).__name__} state_dict() and load_state_dict() (or register_state)")
 
     def _write(self, ck, name, start=None):
         "Write the resume point `ck` as `name`, and start the history log it could not append to"
@@ -388,7 +459,7 @@ class AutoResume(Callback):
         finally: self.stop_signals.stopping = False
         written = self.last_point is not None and file_name(self.last_point[0]) == name
         saved = name is not None and (bool(rank_distrib()) or written)  # rank 0 writes
-        self.stopped,self.stop_signals.signum = True,signum
+        self.state,self.stop_signals.signum = 'stopping',signum
         self.stop_note = "resume point saved" if saved else f"no resume point was written there: {self._kept()}"
         ep,it = fit_position(self.learn)
         self.runlog.stopped(signal.Signals(signum).name, self.fit_index, ep, it, self.train_iter, saved)
@@ -411,7 +482,7 @@ class AutoResume(Callback):
 
     def _hold_signals(self, on:bool=True):
         "From the start of a phase, when its loader forks workers, to its first batch: see `WorkerSignals`"
-        if self.fitting and getattr(self, 'worker_signals', None): self.worker_signals.hold(on)
+        if self.state == 'training' and self.worker_signals is not None: self.worker_signals.hold(on)
 
     def _add_seed_batches(self):
         "Add `SeedBatches` for this fit call when the training DataLoader has workers and the Learner has none"
@@ -421,11 +492,15 @@ class AutoResume(Callback):
         if self.added_seed: self.learn.add_cb(SeedBatches())
 
     def _cleanup(self):
-        if getattr(self, 'worker_signals', None): self.worker_signals.stop()
+        "Back to 'idle' from any state: handlers and patches put back, what this fit call added removed"
+        if self.worker_signals is not None: self.worker_signals.stop()
         self.stop_signals.restore()
-        hide_probes(self.learn, False)
-        self.host_copy = None
-        if self.added_seed:
-            seeds = L(self.learn.cbs).filter(lambda cb: isinstance(cb, SeedBatches))
-            for cb in seeds: cb.after_train()  # a stop inside the training phase left its patches on the DataLoader
-            self.learn.remove_cbs(seeds)
+        if self.learn is not None:
+            hide_probes(self.learn, False)
+            if self.added_seed:
+                seeds = L(self.learn.cbs).filter(lambda cb: isinstance(cb, SeedBatches))
+                for cb in seeds: cb.after_train()  # a stop inside the training phase left its patches on the DataLoader
+                self.learn.remove_cbs(seeds)
+        signum,note,run = self.stop_signals.signum,self.stop_note,self.run_state
+        self._idle()
+        self.stop_signals.signum,self.stop_note,self.run_state = signum,note,run  # for `_exit`, and `fit_index`

@@ -266,6 +266,8 @@ def _demo(a)->int:
     warnings.filterwarnings('ignore', r'`torch\.jit\.script` is deprecated', FutureWarning)
     from fastai.callback.core import Callback
     from resumable_train.autoresume import AutoResume
+    from resumable_train.fitcalls import say_finished, forget_runs
+    forget_runs()  # each demo command is a script of its own, also when `main` runs twice in one process
     class _Pause(Callback):
         "Wait `secs` after each training batch"
         def __init__(self, secs:float): self.secs = secs
@@ -282,6 +284,7 @@ def _demo(a)->int:
     except KeyboardInterrupt:
         if not learn.auto_resume.stopped: raise
         return 130
+    say_finished()  # the demo's only fit call was its last
     print(f"accuracy {learn.recorder.values[-1][-1]:.4f}, weights {weights_digest(learn.model)} "
           "(an uninterrupted run ends with the same digest)")
     return 0

@@ -155,7 +155,7 @@ def _restore_rank_rng(self:DDPTrainer):
 def before_fit(self:DDPTrainer):
     if not self.active: return
     self.learn.to_detach = self._to_detach
-    if not getattr(self.learn, '_fitting', False): return   # `validate` or `get_preds`: every rank evaluates on its own
+    if not self.learn.resume.fitting: return   # `validate` or `get_preds`: every rank evaluates on its own
     self._cleanup()
     learn,self.dev = self.learn,group_device()
     if self.dev.type == 'cuda': learn.dls.to(self.dev); learn.model.to(self.dev)
@@ -253,7 +253,7 @@ def load_state_dict(self:DDPTrainer, sd):
     skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
     # where this rank's stream goes on
     if mine.get('loader') is not None and skip.rp is not None: skip.rp['loader'] = mine['loader']
-    if getattr(self.learn, '_event', None) != 'before_train' or skip.epoch_rng is None: return
+    if self.learn.resume.event != 'before_train' or skip.epoch_rng is None: return
     if mine.get('epoch_rng') is not None: skip.epoch_rng = dict(skip.epoch_rng, rng=mine['epoch_rng'])
     # written by 0.1.0
     elif mine.get('epoch_torch') is not None: skip.epoch_rng = dict(skip.epoch_rng, torch=mine['epoch_torch'])
@@ -288,7 +288,7 @@ def after_train(self:DDPTrainer):
 
 @patch
 def after_fit(self:DDPTrainer):
-    if getattr(self.learn, '_fitting', False): self.rest = None
+    if self.learn.resume.fitting: self.rest = None
 
 # %% ../nbs/03_distributed.ipynb #e1a57c21
 def _saved_run(rp)->dict:

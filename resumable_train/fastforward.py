@@ -12,7 +12,7 @@ from fastai.callback.core import Callback
 from .files import *
 from .state import *
 from .loaders import *
-from .plans import run_setup, check_setup, fit_plan, check_plan
+from .plans import run_setup, check_setup, fit_plan, check_plan, asked_hypers
 from .snapshot import set_grad, restore_streams, restore_dls, epoch_streams
 
 # %% auto #0
@@ -54,7 +54,7 @@ class _FastForward(GetAttr):
         dl,now = self.dl,self._from_start()
         gen = None if now is None else torch.Generator()
         get_idxs = partial(_ff_idxs, dl.get_idxs, self._first_iter*(dl.bs or 1), gen, now, [])
-        old_dl = patch_attrs(dl, get_idxs=get_idxs, _first_iter=self._first_iter)
+        old_dl = patch_attrs(dl, get_idxs=get_idxs)
         old_fake = patch_attrs(dl.fake_l, generator=gen)
         try: yield from dl
         finally: unpatch_attrs(dl, old_dl); unpatch_attrs(dl.fake_l, old_fake)
@@ -101,20 +101,23 @@ class SkipToIter(Callback):
                 ): self.start_epoch,self.start_iter,self.rp,self.epoch_rng = epoch,iter,None,None
 
     def before_fit(self):
+        if self.learn.resume.skipping: return  # a fit call that finished in an earlier run: it trains nothing
         check_len(self.dls.train)
-        self.rp = rp = self.learn.__dict__.pop('_resume', None)
+        self.rp = rp = self.learn.resume.take()
         if rp is not None:
             check_resumable(self.dls.train)
             if rp['check']: check_setup(rp['setup'], run_setup(self.learn, self.n_epoch), rp['file'])
             if rp.get('strict_hypers') is not None:
                 check_plan(rp.get('plan'), fit_plan(self.learn), rp['file'], rp['strict_hypers'])
             self.start_epoch,self.start_iter = rp['epoch'],rp['iter']
-            for k in rp['hypers'][0]: self.opt.set_hyper(k, [h[k] for h in rp['hypers']])
+            asked = asked_hypers(rp.get('plan'), self.learn.resume.asked)  # what the user changed since: applied
+            for k in rp['hypers'][0]: self.opt.set_hyper(k, [asked.get((g,k), h[k]) for g,h in enumerate(rp['hypers'])])
             for p,g in zip(self.model.parameters(), rp['grads']): set_grad(p, g)
             if not self.start_iter: restore_streams(self.learn, rp, fresh=rp['fresh'])
             else: restore_dls(self.learn, rp)
         # resumed at its very end, a run ends as it would have
-        self.learn._start_epoch,self.learn.epoch = self.start_epoch,min(self.start_epoch, self.n_epoch-1)
+        if not self.learn.resume.skipping: self.learn.resume.start_epoch = self.start_epoch
+        self.learn.epoch = min(self.start_epoch, self.n_epoch-1)
         if rp is not None: self.learn.pct_train = rp['pct_train']
         mbar = getattr(getattr(self.learn, 'progress', None), 'mbar', None)
         # fastprogress needs a start before it can show epoch `start_epoch`
@@ -146,6 +149,6 @@ class SkipToIter(Callback):
                 "use the same kind of DataLoader, or resume from an epoch's end")
         start = _epoch_start(self.epoch_rng, rp['rng']) if rp else None  # `epoch_rng` as the callbacks left it
         self.learn.dl = _fast_forward(self.dl, self.start_iter, kind, start, saved.get('position'))
-        self.start_iter = 0
+        self.learn.resume.first_iter,self.start_iter = self.start_iter,0
 
-    def after_fit(self): self.learn.__dict__.pop('_start_epoch', None)
+    def after_train(self): self.learn.resume.first_iter = 0  # validation numbers its batches from 0

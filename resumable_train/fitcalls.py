@@ -4,8 +4,9 @@
 
 # %% ../nbs/02a_fitcalls.ipynb #4c53dce1
 from __future__ import annotations
-import itertools, re, sys
+import atexit, hashlib, itertools, os, re, sys
 from pathlib import Path
+import torch
 from .state import *
 from .plans import run_setup, setup_diff, plan_changes
 
@@ -94,9 +95,60 @@ class FitCalls:
                       "(those that completed are loaded, not trained again)")
 
     def start(self, i:int, me:dict):
-        "Fit call `i`, identified as `me`, starts"
-        self.index,self.calls,self.cut = i,self.calls[:i] + [me],False
+        "Fit call `i`, identified as `me`, starts (calls before it that this process did not make are left out: a cached stage)"
+        gap = [dict(me, run=None, site=())] * (i - len(self.calls[:i]))
+        self.index,self.calls,self.cut = i,self.calls[:i] + gap + [me],False
 
     def finish(self):
         "The running fit call completed"
         self.done,self.unfinished = self.index+1,False
+
+# %% ../nbs/02a_fitcalls.ipynb #4fbb4164
+def start_digest(learn)->str:
+    "A digest of the weights `learn`'s model holds, as a fit call starts from them"
+    with torch.no_grad():
+        sums = [torch.stack([p.double().sum(), p.double().square().sum()]) for p in learn.model.parameters()]
+        vals = torch.stack(sums).cpu().flatten().tolist() if sums else []
+    return hashlib.sha1(repr(vals).encode()).hexdigest()[:16]
+
+class RunState:
+    "A run's fit calls in this process, whichever `Learner` or `AutoResume` makes them"
+    def __init__(self, where:str):
+        self.where,self.calls,self.fits,self.ends,self.starts = where,FitCalls(),[],[],[]
+        # a call of this process trained; what to say at exit if none did and the files hold nothing after its last call
+        self.trained,self.finished_note = False,None
+
+    def jump(self, i:int, digest:str, rec:dict)->int:
+        "The call the fit call numbered `i` is: a later one of `rec`'s run when it starts from that call's weights"
+        starts = rec.get('starts') or []
+        if i < len(starts) and starts[i] == digest: return i
+        # the calls of `rec`'s run, and the one after its newest end (`starts` has the weights that call would start from)
+        later = [k for k in range(i+1, min(len(starts), rec['fit_index']+2)) if starts[k] == digest]
+        return later[0] if later else i
+
+    def begin(self, i:int, me:dict, setup:dict, digest:str, rec:dict|None):
+        "Fit call `i` starts, identified as `me`; the calls before it that this process left out come from `rec`"
+        old = rec or {}
+        self.calls.start(i, me)
+        for name,now in (('fits', setup), ('starts', digest)):
+            mine = getattr(self, name)[:i]
+            setattr(self, name, mine + list(old.get(name) or [None]*i)[len(mine):i] + [now])
+
+_run_states = {}  # by folder or URL, and fname
+
+def run_state(store, fname:str)->RunState:
+    "The `RunState` of the run `fname` in `store` in this process"
+    url = store.url if not getattr(store, 'local', False) else os.path.abspath(store.url)
+    return _run_states.setdefault((url, fname), RunState(f"{url}/{fname}"))
+
+def forget_runs():
+    "Forget this process's runs, as a new process does: for examples that stand in for a script run again"
+    _run_states.clear()
+
+def say_finished():
+    "Once the script made its last fit call (at exit): say of each run that trained nothing that it had already finished"
+    for rs in _run_states.values():
+        if not rs.trained and rs.finished_note: print(rs.finished_note, flush=True)
+        rs.finished_note = None
+
+atexit.register(say_finished)

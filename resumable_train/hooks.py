@@ -76,26 +76,63 @@ check_fastai()
 _fastai = {n: getattr(getattr(Learner, n), '_fastai', getattr(Learner, n))
            for n in ('_with_events','one_batch','fit')}
 
+class ResumeState:
+    "One `Learner`'s resume state: the resume point waiting for the next `fit`, and where the running fit call is"
+    def __init__(self):
+        self.pending = None  # the resume point `learn.load` left for the next `fit`
+        self.fitting,self.event = False,None  # inside the package's `Learner.fit`; the event being sent
+        self.call,self.start = None,(0, 0, 'fit')  # the fit method the user called; `start_epoch`, `start_iter` it passed
+        self.schedule = 'fit'  # the fit method whose schedule the running call follows
+        self.start_epoch,self.first_iter = 0,0  # the first epoch that sends events; the first batch of this epoch
+        self.skipping = False  # the running fit call finished in an earlier run: it trains nothing
+        self.asked = []  # the optimizer's hyperparameters as the running fit call was asked for them, by group
+    # `learn.export`: a Learner loaded with `load_learner` starts with no resume state
+    def __getstate__(self): return {}
+    def __setstate__(self, d): self.__init__()
+
+    def take(self)->dict|None:
+        "The pending resume point, which the fit call starting now continues"
+        rp,self.pending = self.pending,None
+        return rp
+    def take_start(self)->tuple:
+        "The `(start_epoch, start_iter, schedule)` a `fit_*` method passed on to `fit`"
+        s,self.start = self.start,(0, 0, 'fit')
+        return s
+    def skip(self):
+        "The running fit call trains nothing: no epoch sends an event"
+        self.skipping,self.start_epoch,self.pending = True,math.inf,None
+    def begin(self, schedule:str): self.fitting,self.schedule,self.event = True,schedule,None
+    def end(self):
+        "The fit call ended, whatever the way"
+        self.fitting,self.skipping,self.start_epoch,self.first_iter = False,False,0,0
+
+@patch(as_prop=True)
+def resume(self:Learner)->ResumeState:
+    "The owner of this Learner's resume state"
+    return self.__dict__.setdefault('resume_state', ResumeState())
+
 class FitEvents(Callback):
-    "Note the running event in `learn._event` before any other callback, and whether `zero_grad` left the gradients"
+    "Note the running event in `learn.resume` before any other callback, and whether `zero_grad` left the gradients"
     order = -math.inf
     # whether the gradients are zero is not known before the first step; `fit_plan` is worked out once a fit call
     def __init__(self): self.zeroed,self.plan = False,None
     def __call__(self, event_name):
-        self.learn._event = event_name
-        if event_name == 'before_fit': self.plan = None
+        self.learn.resume.event = event_name
+        if event_name == 'before_fit':  # the hyperparameters the fit call was asked for, before any load replaces them
+            self.plan,opt = None,self.learn.opt
+            self.learn.resume.asked = [dict(h) for h in opt.hypers] if opt is not None else []
         # a cancel may skip `zero_grad`; after a step (or a `CancelStepException`) fastai's `zero_grad` follows
         if event_name == 'after_backward' or event_name.startswith('after_cancel'): self.zeroed = False
         elif event_name == 'after_step': self.zeroed = True
 
 @patch
 def _with_events(self:Learner, f, event_type, ex, final=noop):
-    if event_type == 'epoch' and self.epoch < self.__dict__.get('_start_epoch', 0): return  # before the start's epoch
+    if event_type == 'epoch' and self.epoch < self.resume.start_epoch: return  # before the start's epoch
     return _fastai['_with_events'](self, f, event_type, ex, final)
 Learner._with_events._fastai = _fastai['_with_events']
 
 @patch
-def one_batch(self:Learner, i, b): return _fastai['one_batch'](self, i + getattr(self.dl, '_first_iter', 0), b)
+def one_batch(self:Learner, i, b): return _fastai['one_batch'](self, i + self.resume.first_iter, b)
 Learner.one_batch._fastai = _fastai['one_batch']
 
 def fit_events(learn)->FitEvents|None: return next((cb for cb in learn.cbs if isinstance(cb, FitEvents)), None)
@@ -137,20 +174,20 @@ def _arguments(f, args, kwargs)->dict:
 
 @contextmanager
 def fit_call(learn, f, args, kwargs):
-    "Keep the outermost fit method the user called, and its arguments, in `learn._fit_call` (for `fit_plan`)"
-    if '_fit_call' in learn.__dict__: yield; return
-    learn._fit_call = dict(name=f.__name__, args=_arguments(f, args, kwargs))
+    "Keep the outermost fit method the user called, and its arguments, in `learn.resume.call` (for `fit_plan`)"
+    if learn.resume.call is not None: yield; return
+    learn.resume.call = dict(name=f.__name__, args=_arguments(f, args, kwargs))
     try: yield
-    finally: learn.__dict__.pop('_fit_call', None)
+    finally: learn.resume.call = None
 
 def _start_through(f):
     "Let the `fit_*` method `f` pass `start_epoch` and `start_iter` on to `Learner.fit`"
     @wraps(f)
     def _fit(self, *args, start_epoch=0, start_iter=0, **kwargs):
-        self._fit_start = (start_epoch, start_iter, f.__name__)
+        self.resume.start = (start_epoch, start_iter, f.__name__)
         try:
             with fit_call(self, f, args, kwargs): return f(self, *args, **kwargs)
-        finally: self.__dict__.pop('_fit_start', None)
+        finally: self.resume.start = (0, 0, 'fit')
     _fit._fastai = f
     return _fit
 

@@ -188,12 +188,12 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
             except Exception:
                 if with_opt: warnings.warn("Could not load the optimizer state.")
     elif with_opt: warnings.warn("Saved file doesn't contain an optimizer state.")
-    if not getattr(self, '_fitting', False) or self._event == 'before_fit':
-        self.__dict__.pop('_resume', None)
+    if not self.resume.fitting or self.resume.event == 'before_fit':
+        self.resume.pending = None
         if with_iter and opt and rec is not None and rec.get('epoch') is not None:
             rp = dict(rec, file=str(file), check=check_setup, strict_hypers=strict_hypers, fresh=list(fresh_callbacks))
             if not _plan_resume(self, rp, elastic): _check_world(rec, file)
-            self._resume = rp
+            self.resume.pending = rp
         else: _plan_resume(self, None, elastic)
     return self
 Learner.load._fastai = _stock_load
@@ -207,19 +207,20 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
         start_iter:int=0, # the batch of `start_epoch` to start at
        ):
     "Fit `self.model` for `n_epoch`, from the loaded resume point or from batch `start_iter` of epoch `start_epoch`"
-    se,si,self._schedule = self.__dict__.pop('_fit_start', (0,0,'fit'))
+    se,si,schedule = self.resume.take_start()
     if not (start_epoch or start_iter): start_epoch,start_iter = se,si
-    if start_epoch or start_iter: self.__dict__.pop('_resume', None)
-    if '_resume' in self.__dict__: reset_opt = False
+    if start_epoch or start_iter: self.resume.pending = None
+    if self.resume.pending is not None: reset_opt = False
     cbs = L(cbs)
     if not any(isinstance(cb, SkipToIter) for cb in cbs+self.cbs): cbs += SkipToIter(start_epoch, start_iter)
     if not any(isinstance(cb, FitEvents) for cb in cbs+self.cbs): cbs += FitEvents()
-    self._fitting,left = True,{id(cb): cb for cb in L(self.cbs)+cbs}  # `cbs` are gone from `self.cbs` when `fit` ends
+    left = {id(cb): cb for cb in L(self.cbs)+cbs}  # `cbs` are gone from `self.cbs` when `fit` ends
+    self.resume.begin(schedule)
     try:
         with fit_call(self, _stock_fit, (n_epoch,), {k: v for k,v in dict(lr=lr, wd=wd).items() if v is not None}):
             _stock_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt)
     finally:
-        self._fitting = False
+        self.resume.end()
         for cb in left.values():
             # whatever way `fit` ends: fastai sends no `after_fit` after an exception
             if hasattr(type(cb), 'left_fit'): cb.left_fit()

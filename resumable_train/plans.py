@@ -4,7 +4,7 @@
 
 # %% ../nbs/01c_plans.ipynb #ef3f3fc1
 from __future__ import annotations
-import inspect, warnings
+import hashlib, inspect, warnings
 from functools import partial
 import numpy as np, torch
 from torch import nn
@@ -21,13 +21,24 @@ def _arch(model)->list:
     "`model`'s architecture: each module's name, class and settings (`extra_repr`: sizes, a dropout's `p`, ...)"
     return [f"{n or 'model'}: {type(m).__name__}({m.extra_repr()})" for n,m in get_model(model).named_modules()]
 
+def _tfm_names(p)->list:
+    "The names of the transforms of fastai's `Pipeline` `p`, in the order they run"
+    return [getattr(t, 'name', None) or type(t).__name__ for t in getattr(p, 'fs', [])]
+
+def _data_setup(dl)->dict:
+    "How the training DataLoader makes its items: its item and batch transforms in order, and whether workers make them"
+    workers = getattr(getattr(dl, 'fake_l', dl), 'num_workers', 0) or 0
+    out = dict(workers=bool(workers))  # items made in worker processes draw other random numbers than in this one
+    if hasattr(dl, 'after_item'): out.update(item_tfms=_tfm_names(dl.after_item), batch_tfms=_tfm_names(dl.after_batch))
+    return out
+
 def run_setup(learn, n_epoch:int)->dict:
     "What a resume point must agree on with the run that continues it"
     dl = learn.dls.train
-    return dict(n_epoch=n_epoch, n_iter=len(dl), bs=getattr(dl, 'bs', getattr(dl, 'batch_size', None)),
+    return dict(n_epoch=n_epoch, n_iter=len(dl), bs=getattr(dl, 'bs', getattr(dl, 'batch_size', None)), **_data_setup(dl),
                 n_items=getattr(dl, 'n', None) or len(dl.dataset),
                 n_params=sum(p.numel() for p in learn.model.parameters()),
-                schedule=getattr(learn, '_schedule', 'fit'), world_size=num_distrib() or 1, model=_arch(learn.model))
+                schedule=learn.resume.schedule, world_size=num_distrib() or 1, model=_arch(learn.model))
 
 def _arch_diff(saved:list, now:list)->str:
     "Where two architectures differ, in words: the first modules that differ"
@@ -52,11 +63,20 @@ def check_setup(saved:dict, now:dict, file=''):
 # %% ../nbs/01c_plans.ipynb #4a844ae5
 _PCTS = (0., .1, .25, .5, .75, .9, 1.)
 
+def _code_digest(code)->str:
+    "A digest of a function's code: its instructions, constants and names, nested functions included"
+    parts = [code.co_code, repr(code.co_names).encode()]
+    parts += [_code_digest(c).encode() if hasattr(c, 'co_code') else repr(c).encode() for c in code.co_consts]
+    return hashlib.sha1(b'|'.join(parts)).hexdigest()[:8]
+
 def _settings(o, depth=2)->str:
     "A function's or object's name and settings: `Adam(eps=1e-05)`, `FlattenedLoss(CrossEntropyLoss(...), axis=-1)`"
     if isinstance(o, partial):
         return f"{_settings(o.func)}({', '.join(f'{k}={v!r}' for k,v in sorted(o.keywords.items()))})"
     name = getattr(o, '__qualname__', None) or type(o).__name__
+    code = getattr(o, '__code__', None)  # a function of the user's: two lambdas differ by their code, not their name
+    if code is not None and ('<' in name or getattr(o, '__module__', None) == '__main__'):  # `<lambda>`, `<locals>`
+        name = f"{name} (code {_code_digest(code)})"
     if isinstance(o, type) or callable(o) and not hasattr(o, '__dict__') or inspect.isroutine(o) or not depth:
         return name
     vs = sorted((k,v) for k,v in vars(o).items() if not k.startswith('_') and k != 'training')
@@ -74,7 +94,7 @@ def fit_plan(learn)->dict:
     scheds = {k: [_number(f(p)) for p in _PCTS] for k,f in (sched.scheds.items() if sched else [])}
     hs = learn.opt.hypers if learn.opt is not None else []
     hypers = [{k:v for k,v in h.items() if k not in scheds} for h in hs]
-    call = learn.__dict__.get('_fit_call')  # the fit method as the user called it (`hooks.fit_call`)
+    call = learn.resume.call  # the fit method as the user called it (`hooks.fit_call`)
     loss,opt = _settings(learn.loss_func),_settings(learn.opt_func)
     return to_plain(dict(schedule=scheds, hypers=hypers, loss=loss, opt=opt, call=call))
 
@@ -139,11 +159,18 @@ def plan_changes(saved:dict|None, now:dict)->list:
     parts = (('loss', 'loss function'), ('opt', 'optimizer'))
     return out + [f"{n}: saved {saved[k]}, now {now[k]}" for k,n in parts if saved[k] != now[k]]
 
+def asked_hypers(saved:dict|None, asked:list)->dict:
+    "The hyperparameters a fit call was `asked` for that differ from the `saved` plan's: `{(group, name): value}`"
+    if not saved or len(saved['hypers']) != len(asked): return {}
+    return {(g,k): a[k] for g,(s,a) in enumerate(zip(saved['hypers'], asked)) for k in s
+            if k in a and not _same(s[k], _number(a[k]))}
+
 def check_plan(saved, now, file, strict=False):
     "Warn, or with `strict` refuse, when the fit call continuing `file` was asked for other hyperparameters"
     ch = plan_changes(saved, now)
     if not ch: return
     msg = f"{file} was written by a fit call with other hyperparameters ({'; '.join(ch)})"
     if strict: raise CheckpointError(f"{msg}. Undo the change to continue it, or delete the file to start fresh")
-    warnings.warn(f"{msg}; continuing anyway, so the result matches neither run (strict_hypers=True refuses)",
+    warnings.warn(f"{msg}; they apply from that resume point on, so the result matches neither run "
+                  "(strict_hypers=True refuses)",
                   stacklevel=2)

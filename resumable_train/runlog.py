@@ -110,7 +110,8 @@ class RunLog:
 
     def begin(self, fit:int, # the fit call, from 0
               n:tuple, # the fit call's number of epochs and of batches per epoch
-              at:dict|None=None): # where it continues: a resume point's `point`, `epoch`, `iter`, `train_iter`, `time`
+              at:dict|None=None, # where it continues: a resume point's `point`, `epoch`, `iter`, `train_iter`, `time`
+              fresh:bool=False): # a run's first fit call, with no resume point: a story that got further is another run's
         "Say how fit call `fit` starts training; first, if the last process vanished, that it was killed"
         if not self.on: return
         try: data = _read(self.store, runlog_name(self.fname))
@@ -118,6 +119,9 @@ class RunLog:
             warnings.warn(f"AutoResume could not read the run log {self._url()}: {e}")
             data = b''
         self.torn,events = bool(data) and not data.endswith(b'\n'),_events(data)
+        if fresh and any(e['event'] not in ('started', 'killed') for e in events):  # its resume points were deleted
+            write_text(self.store, runlog_name(self.fname), '')
+            self.torn,events = False,[]
         reach = _read_reach(self.store, self.fname)
         prev = next((e for e in reversed(events) if e['event'] in _TRAINING), None)
         if events and events[-1]['event'] in _TRAINING:

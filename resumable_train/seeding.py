@@ -13,6 +13,7 @@ from fastai.data.load import DataLoader
 from fastai.callback.core import Callback
 from .state import *
 from .loaders import patch_attrs, unpatch_attrs
+from .hooks import ResumeState
 
 # %% auto #0
 __all__ = ['SeedBatches']
@@ -36,10 +37,10 @@ def _seeded_idxs(dl, get_idxs, rng_dl):
 def _batch_seed(epoch_seed, i:int|list):
     return int(np.random.SeedSequence([epoch_seed, *(i if isinstance(i, list) else [i])]).generate_state(1)[0])
 
-def _seeded_batches(dl, samps):
+def _seeded_batches(dl, resume, samps):
     "Like `DataLoader.create_batches`, with each batch's items made under a seed of (epoch order, batch index)"
     if dl.dataset is not None: dl.it = iter(dl.dataset)
-    idxs,bs,first,nw,offs = list(dl._DataLoader__idxs),dl.bs or 1,getattr(dl, '_first_iter', 0),dl.num_workers,dl.offs
+    idxs,bs,first,nw,offs = list(dl._DataLoader__idxs),dl.bs or 1,resume.first_iter,dl.num_workers,dl.offs
     do_item,do_batch,prebatched,drop_last,seed = dl.do_item,dl.do_batch,dl.prebatched,dl.drop_last,dl._epoch_seed
     for i in range(offs, -(-len(idxs)//bs), nw):
         with seeded(_batch_seed(seed, first+i)):
@@ -72,11 +73,11 @@ class _SeededItems(GetAttr):
         if info is None or key is None: return self._items(b)
         with seeded(_batch_seed(info.seed - info.id, key)): return self._items(b)
 
-def _seed_patches(dl, rng_dl)->dict:
+def _seed_patches(dl, rng_dl, resume)->dict:
     "What `SeedBatches` patches in a fastai DataLoader (seeded by `rng_dl.rng`), or a PyTorch one (map-style)"
     if isinstance(dl, DataLoader):
         return dict(get_idxs=partial(_seeded_idxs, dl, dl.get_idxs, rng_dl),
-                    create_batches=partial(_seeded_batches, dl))
+                    create_batches=partial(_seeded_batches, dl, resume))
     if not isinstance(dl, torch.utils.data.DataLoader) or dl.batch_sampler is None: return {}
     if isinstance(dl.dataset, torch.utils.data.IterableDataset): return {}
     if dl.persistent_workers: return {}  # their base seed is drawn once: every epoch would repeat the same draws
@@ -92,7 +93,7 @@ class SeedBatches(Callback):
     def before_train(self):
         self.after_train()  # a training phase that an exception ended left its patches
         self.dl_ = dl = self.learn.dl
-        self.old = patch_attrs(dl, **_seed_patches(dl, self.dls.train))
+        self.old = patch_attrs(dl, **_seed_patches(dl, self.dls.train, self.learn.resume))
     def after_train(self):
         if getattr(self, 'old', None): unpatch_attrs(self.dl_, self.old)
         self.old = {}

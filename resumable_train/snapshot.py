@@ -58,7 +58,7 @@ def epoch_streams(learn)->dict:
                 dl_state=state_of(learn.dls.train, own=False))
 
 def fit_position(learn):
-    ev = getattr(learn, '_event', None)
+    ev = learn.resume.event
     if ev == 'after_batch' and learn.training: return learn.epoch, learn.iter+1
     if ev == 'after_epoch': return learn.epoch+1, 0
 
@@ -79,9 +79,9 @@ def _meta():
 
 def resume_point(learn)->dict|None:
     "The state of `learn`'s running `fit` at this batch boundary (or at its end), or `None` outside `fit`"
-    if not getattr(learn, '_fitting', False): return None
+    if not learn.resume.fitting: return None
     pos = fit_position(learn)
-    if pos is None and learn._event not in ('after_fit','after_cancel_fit'): return None
+    if pos is None and learn.resume.event not in ('after_fit','after_cancel_fit'): return None
     epoch,it = pos or (None,0)
     check_resumable(learn.dls.train)
     loader = loader_record(learn.dls.train) if it else None  # refuses a resume point that no run could continue

@@ -9,7 +9,7 @@ signal, as Popen reports it).
 
 Fork only from a process that has not trained anything (no OpenMP threads started): the test process only imports.
 """
-import io, os, runpy, signal, subprocess, sys, threading, time, traceback, warnings
+import atexit, io, os, runpy, signal, subprocess, sys, threading, time, traceback, warnings
 
 class ForkedChild:
     "A forked child running a script; the subset of `subprocess.Popen` the tests use"
@@ -96,7 +96,8 @@ def _child(script, args, env, cwd, w):
             sys.stdout.flush(); sys.stderr.flush()
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)  # as python itself reports an uncaught Ctrl-C: killed by SIGINT
-        except BaseException: traceback.print_exc()
+        except BaseException: sys.excepthook(*sys.exc_info())  # as python reports it: the package's hook shows a refusal alone
+        atexit._run_exitfuncs()  # as python does at exit (a forked child leaves by `os._exit`)
     finally:
         try: sys.stdout.flush(); sys.stderr.flush()
         except BaseException: pass

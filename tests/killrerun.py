@@ -17,7 +17,7 @@ class Report(Callback):
     "Print every trained batch as `BATCH fit epoch iter`, and count fit calls and optimizer steps"
     order = -20
     def before_fit(self):
-        if getattr(self.learn, '_fitting', True): self.learn.n_fit = getattr(self.learn, 'n_fit', -1) + 1
+        if getattr(getattr(self.learn, 'resume', None), 'fitting', True): self.learn.n_fit = getattr(self.learn, 'n_fit', -1) + 1
     def after_step(self): self.learn.steps = getattr(self.learn, 'steps', 0) + 1
     def after_batch(self):
         if not self.training: return
