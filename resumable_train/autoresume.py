@@ -22,7 +22,7 @@ from .collectives import *
 from .collectives import read_on_rank0
 from .plans import run_setup, setup_diff, fit_plan, plan_changes
 from .snapshot import *
-from .snapshot import restore_streams, fit_position
+from .snapshot import restore_streams, restore_grads, fit_position
 from .seeding import SeedBatches
 from .learner import *
 from .learner import log_history, load_through, bypassed
@@ -317,6 +317,8 @@ class AutoResume(Callback):
             raise self._refusal(f"AutoResume: {file} is named as the end state of fit call {i+1} but does not hold it")
         self._hypers_changed(rec.get('plan'), plan, file, "its result is used as it is")
         load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)
+        # as continuing inside a fit call does (`SkipToIter`): the gradients a fit call left are state of the next one
+        restore_grads(self.learn, rec)
         restore_streams(self.learn, rec, fresh=self.fresh_callbacks)
         self.learn.train_iter,self.learn.pct_train = rec['train_iter'],rec['pct_train']
         if rec.get('last_epoch') is not None: self.learn.epoch = rec['last_epoch']

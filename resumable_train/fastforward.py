@@ -13,7 +13,7 @@ from .files import *
 from .state import *
 from .loaders import *
 from .plans import run_setup, check_setup, fit_plan, check_plan
-from .snapshot import set_grad, restore_streams, restore_dls, epoch_streams
+from .snapshot import restore_grads, restore_streams, restore_dls, epoch_streams
 
 # %% auto #0
 __all__ = ['SkipToIter']
@@ -110,7 +110,7 @@ class SkipToIter(Callback):
                 check_plan(rp.get('plan'), fit_plan(self.learn), rp['file'], rp['strict_hypers'])
             self.start_epoch,self.start_iter = rp['epoch'],rp['iter']
             for k in rp['hypers'][0]: self.opt.set_hyper(k, [h[k] for h in rp['hypers']])
-            for p,g in zip(self.model.parameters(), rp['grads']): set_grad(p, g)
+            restore_grads(self.learn, rp)
             if not self.start_iter: restore_streams(self.learn, rp, fresh=rp['fresh'])
             else: restore_dls(self.learn, rp)
         # resumed at its very end, a run ends as it would have
