@@ -609,6 +609,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                           'resumable_train.snapshot.log_owner': ('snapshot.html#log_owner', 'resumable_train/snapshot.py'),
                                           'resumable_train.snapshot.restore_dls': ( 'snapshot.html#restore_dls',
                                                                                     'resumable_train/snapshot.py'),
+                                          'resumable_train.snapshot.restore_grads': ( 'snapshot.html#restore_grads',
+                                                                                      'resumable_train/snapshot.py'),
                                           'resumable_train.snapshot.restore_streams': ( 'snapshot.html#restore_streams',
                                                                                         'resumable_train/snapshot.py'),
                                           'resumable_train.snapshot.resume_point': ( 'snapshot.html#resume_point',

@@ -25,7 +25,7 @@ from .collectives import *
 from .collectives import read_on_rank0
 from .plans import run_setup, setup_diff, fit_plan, plan_changes
 from .snapshot import *
-from .snapshot import restore_streams, fit_position
+from .snapshot import restore_streams, restore_grads, fit_position
 from .seeding import SeedBatches
 from .learner import *
 from .learner import log_history, load_through, bypassed
@@ -371,8 +371,11 @@ class AutoResume(Callback):
         if rec is None or rec.get('fit_index') != i or rec.get('epoch') is not None:
             raise self._refusal(f"AutoResume: {file} is named as the end state of fit call {i+1} but does not hold it")
         load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)
+        # as continuing inside a fit call does (`SkipToIter`): the gradients a fit call left are state of the next one
+        restore_grads(self.learn, rec)
         restore_streams(self.learn, rec, fresh=self.fresh_callbacks)
         self.learn.train_iter,self.learn.pct_train = rec['train_iter'],rec['pct_train']
+        for m,t in zip(self.learn.model.modules(), rec.get('train_modes', [])): m.training = t
         self.last_epoch = rec.get('last_epoch', self.n_epoch-1)
         self.ends = list(rec.get('ends', [])[:i]) + [file_name(file)]  # records of 0.1.0 have no ledger
         return rec
@@ -402,8 +405,9 @@ class AutoResume(Callback):
         rs = self.run_state
         # at the end, the weights the next call would start from: a rerun that loads them from a cache makes that call
         starts = rs.starts[:self.fit_index+1] + ([start_digest(self.learn)] if end else [])
+        modes = [m.training for m in self.learn.model.modules()]  # a fit leaves its model in eval mode after validation
         extra = dict(fit_index=self.fit_index, fits=rs.fits, ends=ends, starts=starts,
-                     **({'last_epoch': self.epoch} if end else {}))
+                     **({'last_epoch': self.epoch, 'train_modes': modes} if end else {}))
         if end: self.ends = ends
         if rank_distrib(): return self.learn.save(_stem(self.store.where(name)), extra=extra) and name
         if not self.writer.wait(stopping): return  # before copying: one copy of the state at a time

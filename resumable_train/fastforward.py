@@ -13,7 +13,7 @@ from .files import *
 from .state import *
 from .loaders import *
 from .plans import run_setup, check_setup, fit_plan, check_plan, asked_hypers
-from .snapshot import set_grad, restore_streams, restore_dls, epoch_streams
+from .snapshot import restore_grads, restore_streams, restore_dls, epoch_streams
 
 # %% auto #0
 __all__ = ['SkipToIter']
@@ -112,7 +112,7 @@ class SkipToIter(Callback):
             self.start_epoch,self.start_iter = rp['epoch'],rp['iter']
             asked = asked_hypers(rp.get('plan'), self.learn.resume.asked)  # what the user changed since: applied
             for k in rp['hypers'][0]: self.opt.set_hyper(k, [asked.get((g,k), h[k]) for g,h in enumerate(rp['hypers'])])
-            for p,g in zip(self.model.parameters(), rp['grads']): set_grad(p, g)
+            restore_grads(self.learn, rp)
             if not self.start_iter: restore_streams(self.learn, rp, fresh=rp['fresh'])
             else: restore_dls(self.learn, rp)
         # resumed at its very end, a run ends as it would have

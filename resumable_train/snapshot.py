@@ -29,6 +29,10 @@ def _grad_states(learn)->list:
     zeroed = {id(p) for p,*_ in learn.opt.all_params()} if ev is not None and ev.zeroed else set()
     return [_grad_state(p, id(p) in zeroed) for p in learn.model.parameters()]
 def set_grad(p, g): p.grad = None if g is None else torch.zeros_like(p) if isinstance(g, int) else g.to(p.device)
+def restore_grads(learn, rec):
+    "Put the model's gradients back as `rec` holds them: a zeroed gradient is not `None` to fastai's optimizer"
+    # it steps each parameter with a gradient, a frozen one too (weight decay): `freeze_to` keeps a fit call's gradients
+    for p,g in zip(learn.model.parameters(), rec.get('grads', [])): set_grad(p, g)
 
 # %% ../nbs/01d_snapshot.ipynb #6f4f3e26
 def restore_dls(learn, rec):

@@ -1,6 +1,7 @@
 """Train one of fastai's applications (or a plain Dataset or PyTorch DataLoader) with `AutoResume(every_iter=3)`, for `killrerun`.
 
-`python apps_script.py OUT APP [--data DIR] [--no-resume]`, run in the run's folder: APP is one of `LEARNERS`.
+`python apps_script.py OUT APP [--data DIR] [--no-resume] [--then]`, run in the run's folder: APP is one of `LEARNERS`;
+`--then` adds a fit call after the app's own (what a rerun that skips a completed fit call continues with).
 """
 import argparse, random
 from functools import partial
@@ -86,11 +87,14 @@ if __name__ == '__main__':
     p.add_argument('app', choices=list(LEARNERS))
     p.add_argument('--data', default='data', help='folder for the images of `vision`')
     p.add_argument('--no-resume', action='store_true', help='without AutoResume')
+    p.add_argument('--then', action='store_true', help='another fit call after the first')
     a = p.parse_args()
     set_seed(11, reproducible=True)
     learn,train = LEARNERS[a.app](a)
     learn.path = Path('.').absolute()
     learn.add_cbs([Report()] + ([] if a.no_resume else [AutoResume(every_iter=3, verbose=True)]))
-    with learn.no_bar(): train()
+    with learn.no_bar():
+        train()
+        if a.then: learn.fit_one_cycle(1, 1e-3)
     save_result(learn, a.out)
     print('DONE', flush=True)

@@ -54,3 +54,17 @@ def test_same_as_stock(forker, data, tmp_path, app):
     kr.run_to_end(forker, SCRIPT, [a, app, '--data', data], cwd=tmp_path)
     kr.run_to_end(forker, SCRIPT, [b, app, '--data', data, '--no-resume'], cwd=tmp_path)
     assert not kr.compare(a, b)
+
+@pytest.mark.parametrize('app', APPS)
+def test_kill_between_calls(forker, data, tmp_path, app):
+    """SIGKILL at the first batch of each later fit call (after the previous call's end is written, before this call's first
+    resume point), rerun: the completed calls are skipped (their end state loaded), and the result is bitwise the uninterrupted
+    run's (issue 28)"""
+    args = [app, '--data', data, '--then']
+    ref_out = tmp_path/'ref.pth'
+    ref = kr.batches(kr.run_to_end(forker, SCRIPT, [ref_out, *args], cwd=tmp_path))
+    for f in sorted({b[0] for b in ref} - {0}):
+        out = tmp_path/f'out{f}.pth'
+        trained,snaps = kr.kill_and_rerun(forker, SCRIPT, args, tmp_path/f'run{f}', out, [ref.index((f, 0, 0)) + 1])
+        assert trained[0][-1] == trained[1][0] == (f, 0, 0), f"not killed at fit call {f+1}'s first batch: {trained[:2]}"
+        kr.check_kill_and_rerun(ref, trained, snaps, ref_out, out)

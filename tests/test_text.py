@@ -45,3 +45,20 @@ def test_kill_twice_and_rerun(forker, refs, task, tmp_path):
     assert any(not _epoch_end(ref_batches, b) for b in stops), f"no kill inside an epoch: {stops}"
     if task != 'lm': assert stops[-1][0] >= 1, f"the second kill was not in a later fit call: {stops}"
     else: assert stops[-1][1] >= 1, f"the second kill was not in a later epoch: {stops}"
+
+@pytest.mark.parametrize('task', TASKS + ('ulmfit_docs',))
+def test_kill_between_calls(forker, tmp_path, task):
+    """SIGKILL at the first batch of each later fit call (after the previous call's end is written, before this call's first
+    resume point), rerun: the completed calls are skipped (their end state loaded), and the result is bitwise the uninterrupted
+    run's (issue 28). `ulmfit_docs` freezes, in fit call 2, layers that fit call 1 trained: their zeroed gradients are state the
+    skip must load too."""
+    args = ['--task', task] + (['--then'] if task == 'lm' else [])  # the language model's one fit call, and another
+    ref_out = tmp_path/'ref.pth'
+    (tmp_path/'ref').mkdir()
+    ref = batches(run_to_end(forker, SCRIPT, [ref_out, *args], cwd=tmp_path/'ref'))
+    for f in sorted({b[0] for b in ref} - {0}):
+        out = tmp_path/f'out{f}.pth'
+        kill = ref.index((f, 0, 0)) + 1  # every_iter=3: no resume point of call f yet
+        trained,snaps = kill_and_rerun(forker, SCRIPT, args, tmp_path/f'run{f}', out, [kill])
+        assert trained[0][-1] == trained[1][0] == (f, 0, 0), f"not killed at fit call {f+1}'s first batch: {trained[:2]}"
+        check_kill_and_rerun(ref, trained, snaps, ref_out, out)
