@@ -208,7 +208,7 @@ class AutoResume(Callback):
             self.decision = self._decide(plan)
             file,rec = self.decision[1:3]
             # the previous call's end, before any other callback starts this one, as if this process had made it
-            if self.decision[0] == 'after': self._load_end(self.store.where(self.ends[-1]), self.fit_index-1)
+            if self.decision[0] == 'after': self._load_end(self.store.where(self.ends[-1]), self.fit_index-1, after=True)
             done = self.decision[0] == 'skip'
             continue_trackers(self.learn, rec, self.fit_index if file else self.fit_calls.done, done)  # see `trackers`
             if done: hide_progress(self.learn)
@@ -361,7 +361,8 @@ class AutoResume(Callback):
         self.resumed_iter,self.resumed_from = rec['train_iter'],point_at(file_name(file), rec)
         self.ends = list(rec.get('ends', [])[:self.fit_index])
 
-    def _load_end(self, file, i:int):
+    def _load_end(self, file, i:int,
+                  after:bool=False): # for the next call: only the callbacks it shares with call `i` take their state
         "Leave the Learner as fit call `i` left it: the end state in `file`"
         try: state = read_on_rank0(file, holder_rank(self.store, file_name(file), self.src))  # a node that holds it
         except CheckpointError as e:
@@ -373,7 +374,13 @@ class AutoResume(Callback):
         load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)
         # as continuing inside a fit call does (`SkipToIter`): the gradients a fit call left are state of the next one
         restore_grads(self.learn, rec)
-        restore_streams(self.learn, rec, fresh=self.fresh_callbacks)
+        if after:  # callbacks of call `i` alone (its `ParamScheduler`) are gone; those new in this call start afresh
+            asked = self.learn.resume.asked  # and the optimizer has the hyperparameters this fit call set
+            for k in (asked[0] if asked else []): self.learn.opt.set_hyper(k, [h[k] for h in asked])
+            now = set(callback_states(self.learn))
+            rec = dict(rec, callbacks={k:v for k,v in rec['callbacks'].items() if k in now})
+        fresh = list(self.fresh_callbacks) + (sorted(set(now) - set(rec['callbacks'])) if after else [])
+        restore_streams(self.learn, rec, fresh=fresh)
         self.learn.train_iter,self.learn.pct_train = rec['train_iter'],rec['pct_train']
         for m,t in zip(self.learn.model.modules(), rec.get('train_modes', [])): m.training = t
         self.last_epoch = rec.get('last_epoch', self.n_epoch-1)
