@@ -345,12 +345,18 @@ def _diffs(ref, got)->list:
 def _steps(f): return torch.load(f, weights_only=True)['steps']
 
 def _trace(lines)->str:
-    "The exception line of a Traceback in `lines`, or ''"
+    "The exception of a Traceback in `lines` (its message's next line too, when fastai wraps it), and the one it was raised in; or ''"
     text = ''.join(lines)
     if 'Traceback' not in text: return ''
-    tail = [l.strip() for l in text.split('Traceback')[-1].splitlines() if l.strip()]
-    exc = [l for l in tail if re.match(r'^[\w.]+(Error|Exception|Exit|Interrupt)\b', l)]
-    return (exc or tail)[-1][:200]
+    ls = text.splitlines()
+    exc = [i for i,l in enumerate(ls) if re.match(r'^[\w.]+(Error|Exception|Exit|Interrupt)\b', l)]
+    if not exc: return [l for l in ls if l.strip()][-1][:200]
+    def one(i):
+        m = ls[i].strip()
+        if m.endswith(':') and i+1 < len(ls) and ls[i+1].strip(): m += ' ' + ls[i+1].strip()
+        return m[:240]
+    last,first = one(exc[-1]),one(exc[0])
+    return last if first == last else f'{last} (raised while handling {first})'
 
 def _last(lines)->str: return next((l.strip() for l in reversed(lines) if l.strip()), '')[:300]
 
