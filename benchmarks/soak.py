@@ -3,7 +3,7 @@ with AutoResume and as stock fastai, killed at one or two points drawn in the ki
 hit), rerun to the end and once more. It reports "scripts × kills passed / refused / failed" and each failure's seed, script and
 symptom, on stdout and in benchmarks/results/soak.md (a failed case's folder is kept, its path printed).
 
-`python benchmarks/soak.py --minutes 10 [--seed 0] [--text 0.25] [--out benchmarks/results] [--keep DIR]`
+`python benchmarks/soak.py --minutes 10 [--seed 0] [--cases N] [--text 0.25] [--shapes one,cached] [--no-mixup] [--out DIR] [--keep DIR]`
 Run it under `nice`: each case forks a few short processes, one at a time, from this one (which imports fastai once).
 """
 import argparse, collections, datetime, json, os, platform, random, re, shutil, subprocess, sys, tempfile, time
@@ -18,6 +18,7 @@ def signature(symptom:str)->str:
     s = re.sub(r'\(to be killed at [^)]*\)|\(\w+: [a-z]+ [^)]*\)', '', symptom)
     s = re.sub(r"\(raised while handling ([\w.]+).*", r"(raised while handling \1)", s)
     s = re.sub(r'different run \(.*', 'different run (...)', s)
+    s = re.sub(r'^the rerun after (kill \d+|\d+ kill\(s\)) ?:', 'a rerun after a kill:', s)
     s = re.sub(r'/\S+', 'PATH', s)
     s = re.sub(r'\d+(\.\d+)?(e-?\d+)?', 'N', s)
     s = re.sub(r'first: \S+', 'first: X', s)
@@ -29,10 +30,17 @@ def main():
     p.add_argument('--seed', type=int, default=0, help='the first seed; then seed+1, ...')
     p.add_argument('--cases', type=int, default=None, help='stop after this many cases')
     p.add_argument('--text', type=float, default=None, help='share of text-classifier scripts (default: the generator draws)')
+    p.add_argument('--shapes', default=None, help='comma-separated shapes to draw from (default: all; see random_scripts.SHAPES)')
+    p.add_argument('--no-mixup', action='store_true', help='no MixUp (its crash on a skipped call hides the rest)')
     p.add_argument('--out', default=str(ROOT/'benchmarks'/'results'))
     p.add_argument('--keep', default=None, help='where the folders of failed cases are kept (default: a temporary folder)')
     p.add_argument('--timeout', type=float, default=180, help='seconds one run of a script may take')
+    p.add_argument('--report', nargs='+', default=None, metavar='JSON', help="only write the report of these runs' soak.json, merged")
     a = p.parse_args()
+    if a.report:
+        runs = [json.loads(Path(f).read_text()) for f in a.report]
+        return report([c for r in runs for c in r['cases']], a, sum(r.get('wall', 0) for r in runs), Path(a.keep or '?'),
+                      heads=[r['head'] for r in runs])
     import torch, warnings
     torch.set_num_threads(1)
     warnings.simplefilter('ignore')
@@ -50,6 +58,8 @@ def main():
             first = rs.WINDOWS[seed % len(rs.WINDOWS)]  # turn by turn: every window is hit
             windows = [first] + ([rng.choice(rs.WINDOWS)] if rng.random() < 0.5 else [])
             force = {} if a.text is None else dict(app='text' if rng.random() < a.text else 'digits')
+            if a.shapes: force['shape'] = rng.choice(a.shapes.split(','))
+            if a.no_mixup: force['mixup'] = False
             folder = work/f'{seed}'
             r = rs.run_case(forker, seed, folder, windows=windows, timeout=a.timeout, **force)
             r['elapsed'] = time.monotonic() - t0
@@ -67,7 +77,7 @@ def main():
     finally: shutil.rmtree(work, ignore_errors=True)
     report(cases, a, time.monotonic() - t0, keep)
 
-def report(cases, a, wall, keep):
+def report(cases, a, wall, keep, heads=None):
     n_k = sum(len(c['kills']) for c in cases)
     count = collections.Counter(c['outcome'] for c in cases)
     kills = collections.Counter(c['outcome'] for c in cases for _ in c['kills'])
@@ -76,8 +86,9 @@ def report(cases, a, wall, keep):
     dirty = subprocess.run(['git', 'status', '--porcelain', '--', 'resumable_train'], cwd=ROOT, capture_output=True, text=True).stdout
     head = (f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} · commit {commit}{' (modified)' if dirty else ''}"
             f" · {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {[round(x, 2) for x in os.getloadavg()]}"
-            f" · {wall/60:.1f} min, seeds {a.seed}-{a.seed+len(cases)-1}")
-    lines = ["## Soak: randomized scripts killed and rerun (issue 28)", "", head, "",
+            f" · {wall/60:.1f} min, seeds {a.seed}-{a.seed+len(cases)-1}"
+            + (f", shapes {a.shapes}" if a.shapes else '') + (', no MixUp' if a.no_mixup else '') + (f", text share {a.text}" if a.text is not None else ''))
+    lines = ["## Soak: randomized scripts killed and rerun (issue 28)", "", *('- ' + h for h in heads or [head]), "",
              f"**{len(cases)} scripts × {n_k} kills: {count['passed']} passed / {count['refused']} refused / {count['failed']} failed** "
              f"(kills in those cases: {kills['passed']} / {kills['refused']} / {kills['failed']}); "
              f"CPU {sum(c['cpu'] for c in cases):.0f} s in the scripts' processes", ""]
@@ -112,13 +123,13 @@ def report(cases, a, wall, keep):
     if refused:
         lines += ["", "### Refusals", "", "| seed | script | message |", "|---|---|---|"]
         lines += [f"| {c['seed']} | {c['desc'].replace('|', '/')} | {c['symptom'].replace('|', '/')} |" for c in refused]
-    lines += ["", "- reproduce one case: `python benchmarks/soak.py --seed SEED --cases 1 --out /tmp/x` (with the same `--text`); "
+    lines += ["", "- reproduce one case: `python benchmarks/soak.py --seed SEED --cases 1 --out /tmp/x` (with the same `--text`, `--shapes`, `--no-mixup`); "
               "a case's first kill window is `WINDOWS[seed % 6]` (first, epoch_end, between, valid, end_write, mid), a second "
               "one is drawn from the seed half the time", ""]
     text = '\n'.join(lines)
     print('\n' + text)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out)/'soak.md').write_text(text)
-    (Path(a.out)/'soak.json').write_text(json.dumps(dict(head=head, cases=cases), indent=1, default=str))
+    if not heads: (Path(a.out)/'soak.json').write_text(json.dumps(dict(head=head, wall=wall, cases=cases), indent=1, default=str))
 
 if __name__ == '__main__': main()
