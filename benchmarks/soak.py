@@ -40,7 +40,7 @@ def main():
     if a.report:
         runs = [json.loads(Path(f).read_text()) for f in a.report]
         return report([c for r in runs for c in r['cases']], a, sum(r.get('wall', 0) for r in runs), Path(a.keep or '?'),
-                      heads=[r['head'] for r in runs])
+                      heads=[h for r in runs for h in r['head'].splitlines()])
     import torch, warnings
     torch.set_num_threads(1)
     warnings.simplefilter('ignore')
@@ -130,6 +130,6 @@ def report(cases, a, wall, keep, heads=None):
     print('\n' + text)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out)/'soak.md').write_text(text)
-    if not heads: (Path(a.out)/'soak.json').write_text(json.dumps(dict(head=head, wall=wall, cases=cases), indent=1, default=str))
+    (Path(a.out)/'soak.json').write_text(json.dumps(dict(head='\n'.join(heads or [head]), wall=wall, cases=cases), indent=1, default=str))
 
 if __name__ == '__main__': main()

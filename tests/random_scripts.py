@@ -371,9 +371,10 @@ def _ended(rc, lines, what):
     if (n := len(batches(lines))): raise Outcome('failed', f'{what}: exited {rc} after training {n} batches: {_last(lines)}')
     raise Outcome('refused', f'{what}: {_last(lines)}')
 
-def run_case(forker, seed, folder, windows=None, timeout=120, plain=True, **force)->dict:
+def run_case(forker, seed, folder, windows=None, timeout=120, plain=True, kills=None, **force)->dict:
     """Generate script `seed`, run it uninterrupted (with `AutoResume`; without it too when `plain`), kill it at one or two points,
-    rerun it to the end and once more; return a dict: `outcome`, `symptom`, `kills`, `info`, `cpu` (children's CPU seconds)"""
+    rerun it to the end and once more; return a dict: `outcome`, `symptom`, `kills`, `info`, `cpu` (children's CPU seconds).
+    `kills`: `(window, spec)` pairs to use instead of drawing them (to reproduce a case)"""
     folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
     text,info = make_script(seed, **force)
     script = folder/'script.py'
@@ -399,7 +400,7 @@ def run_case(forker, seed, folder, windows=None, timeout=120, plain=True, **forc
                 raise Outcome('failed', f'uninterrupted run with AutoResume trained {len(ref_b)} batches ({_steps(ref)} steps), '
                                         f'stock fastai {len(batches(lines))} ({_steps(plain_out)} steps)')
             if d: raise Outcome('failed', f'uninterrupted run with AutoResume differs from stock fastai: {d[0]}')
-        kills = choose_kills(events, random.Random(seed * 7919 + 1), info['every_iter'], windows)
+        kills = kills or choose_kills(events, random.Random(seed * 7919 + 1), info['every_iter'], windows)
         res['kills'] = kills
         run_dir,trained = folder/'run',[]
         for n,(w,spec) in enumerate(kills):
