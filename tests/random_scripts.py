@@ -1,0 +1,434 @@
+"""Randomized training scripts for the kill-and-rerun defense of issue 28: a seeded generator, the kill windows, and the check.
+
+`make_script(seed)` writes a user's script (digits MLP or a small text classifier; 1-4 fit calls of random kinds with random steps
+between them; one of the shapes of issue 28; a random `every_iter`) and says what it holds. The script adds `Probe()` to each Learner
+and ends with `save_results(out, *learners)`; run with `--plain` it is stock fastai (no `AutoResume`).
+
+`Probe` prints what the run does, each line naming the fit call by the line of the script that called it and how many times that
+line called before in this process (`12.0`, `12.1` for `fine_tune`'s two calls or a loop), so that a rerun which skips, loads or
+caches calls numbers the others as the uninterrupted run did:
+`FIT id n_epoch n_iter`, `BATCH id epoch iter`, `VALID id epoch iter`, `EVAL id` (a `validate`/`get_preds`), `END id` (before
+`AutoResume` writes the end of the call), `SAVED id` (after every callback's `after_fit`: the end state is written).
+With `RS_KILL` set in its environment the script SIGKILLs itself at one precise event (`kill_spec`), so a kill lands in its window
+every time, with no sleep and no race: a training batch (before `AutoResume` writes at that batch), a validation batch, the start of
+a fit call, just after a call's end state is written, or inside that write (the temporary file half written, or whole but not yet
+renamed).
+
+`choose_kills(events, rng)` draws one or two kill points from an uninterrupted run's events, in these windows: `first` (the first
+batch of a fit call), `epoch_end` (the last batch of an epoch), `between` (after a call's end state is written and before the next
+call's first resume point: just after the write, at the next call's start, in a `validate`/`get_preds` between them, or in its
+first batches), `valid` (inside validation), `end_write` (inside the end-of-call write), `mid` (any batch).
+
+`run_case(forker, seed, folder)` runs the script uninterrupted with and without `AutoResume`, kills it, reruns it to the end and
+once more, and says `passed`, `refused` (a rerun exited non-zero with a message, no Traceback, and trained no batch) or `failed`,
+with the symptom.
+"""
+import io, os, random, re, resource, signal, sys, time, textwrap
+from pathlib import Path
+import torch
+from fastai.callback.core import Callback
+
+# ---------------------------------------------------------------- what runs inside a generated script
+_P = dict(pid=None, count={}, steps=0, end=None, spec=None)
+
+def _state():
+    "This process's probe state (a forked child starts afresh)"
+    if _P['pid'] != os.getpid():
+        _P.update(pid=os.getpid(), count={}, steps=0, end=None, spec=os.environ.get('RS_KILL'))
+        if _P['spec'] and _P['spec'].startswith('endwrite'): _patch_save()
+    return _P
+
+def _say(*a): print(*a, flush=True)
+
+def _hit(*event):
+    "SIGKILL this process if `event` is the kill point named in `RS_KILL`"
+    if _state()['spec'] == ' '.join(map(str, event)):
+        _say('KILL', *event)
+        sys.stdout.flush(); sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def _patch_save():
+    "Kill inside the end-of-call write: `torch.save` to a file object (the resume point's temporary file) while a call ends"
+    kind,cid,mode = _P['spec'].split()
+    orig = torch.save
+    def save(obj, f, *args, **kw):
+        if _P['end'] != cid or isinstance(f, (str, os.PathLike)): return orig(obj, f, *args, **kw)
+        buf = io.BytesIO()
+        orig(obj, buf, *args, **kw)
+        b = buf.getvalue()
+        f.write(b if mode == 'whole' else b[:len(b)//2])
+        f.flush()
+        _hit(kind, cid, mode)
+    torch.save = save
+
+def _site(kind):
+    "The id of this fit call (`kind` 'F') or evaluation ('E'): the script's line that called it, and its count on that line"
+    f,script = sys._getframe(2),os.path.abspath(sys.argv[0])
+    while f is not None and os.path.abspath(f.f_code.co_filename) != script: f = f.f_back
+    line = f.f_lineno if f is not None else 0
+    c = _state()['count']
+    n = c[(kind, line)] = c.get((kind, line), -1) + 1
+    return f"{'' if kind == 'F' else 'E'}{line}.{n}"
+
+def _in_fit()->bool:
+    "Is `Learner.fit` running (not `get_preds`, which sends `before_fit` too)?"
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == 'fit' and f.f_code.co_filename.endswith(os.path.join('fastai', 'learner.py')): return True
+        f = f.f_back
+    return False
+
+class ProbeLate(Callback):
+    "After every other callback's `after_fit` (`AutoResume`'s end-of-call write included)"
+    order = 10_000
+    def after_fit(self):
+        cid = getattr(self.learn, '_rs_call', None)
+        if cid is None or not getattr(self.learn, '_rs_fitting', False): return
+        _P['end'],self.learn._rs_fitting = None,False
+        _say('SAVED', cid)
+        _hit('saved', cid)
+
+class Probe(Callback):
+    "Print what the run does (see the module's doc), count optimizer steps, and kill the process at `RS_KILL`'s event"
+    order = -20
+    def after_create(self):
+        if not any(isinstance(cb, ProbeLate) for cb in self.learn.cbs): self.learn.add_cb(ProbeLate())
+    def before_fit(self):
+        _state()
+        self.after_create()
+        fitting = _in_fit() and not hasattr(self.learn, 'lr_finder')
+        self.learn._rs_fitting = fitting
+        if not fitting: return
+        cid = self.learn._rs_call = _site('F')
+        _say('FIT', cid, self.n_epoch, len(self.dls.train))
+        _hit('fit', cid)
+    def before_validate(self):
+        if not getattr(self.learn, '_rs_fitting', False):
+            self.learn._rs_fitting,self.learn._rs_eval = False,_site('E')
+            _say('EVAL', self.learn._rs_eval)
+    def after_step(self): _P['steps'] += 1
+    def after_batch(self):
+        if not getattr(self.learn, '_rs_fitting', False): return _hit('eval', self.learn._rs_eval, self.iter)
+        cid = self.learn._rs_call
+        if self.training:
+            _say('BATCH', cid, self.epoch, self.iter)
+            _hit('batch', cid, self.epoch, self.iter)
+        else:
+            _say('VALID', cid, self.epoch, self.iter)
+            _hit('valid', cid, self.epoch, self.iter)
+    def after_fit(self):
+        if not getattr(self.learn, '_rs_fitting', False): return
+        _P['end'] = self.learn._rs_call
+        _say('END', self.learn._rs_call)
+
+def save_results(out, *learners):
+    "What the comparison checks, for each Learner: weights, optimizer state, Recorder; and this process's optimizer steps"
+    from resumable_train.state import to_plain
+    res = []
+    for l in learners:
+        r = l.recorder
+        res.append(dict(model=l.model.state_dict(), opt=l.opt.state_dict() if l.opt is not None else None, values=r.values,
+                        losses=r.losses, lrs=r.lrs, iters=r.iters))
+    torch.save(to_plain(dict(learners=res, steps=_state()['steps'])), out)
+    _say('DONE')
+
+# ---------------------------------------------------------------- the generator
+SHAPES = ('one', 'two_same', 'two_other', 'per_call', 'cached', 'export')
+KINDS = ('fit', 'fit_one_cycle', 'fit_flat_cos', 'fine_tune')
+OPS = ('freeze', 'freeze_to', 'unfreeze', 'validate', 'get_preds', 'lr', 'nothing')
+
+HEAD = '''\
+import sys
+from pathlib import Path
+import torch
+from torch import nn
+from fastai.basics import *
+from fastai.callback.all import *
+from resumable_train.autoresume import AutoResume
+from random_scripts import Probe, save_results
+
+out,resume = sys.argv[1],'--plain' not in sys.argv  # --plain: stock fastai, without AutoResume
+path = Path('.')
+defaults.callbacks = [TrainEvalCallback, Recorder]  # no progress bars
+set_seed({seed}, reproducible=True)
+'''
+
+DIGITS = '''\
+from sklearn.datasets import load_digits
+x,y = load_digits(return_X_y=True)
+items = list(zip(torch.tensor(x[:320], dtype=torch.float32)/16, torch.tensor(y[:320])))
+dls = Datasets(items, tfms=[[ItemGetter(0)], [ItemGetter(1)]], splits=[list(range(256)), list(range(256, 320))]
+              ).dataloaders(bs=32, num_workers=0)
+
+def splitter(m): return [list(m[0].parameters()), list(m[1].parameters()), list(m[2].parameters())]
+
+def make_learner(path):
+    model = nn.Sequential(nn.Sequential(nn.Linear(64, 32), nn.ReLU()), nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.1)),
+                          nn.Linear(32, 10))
+    return Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, path=path, splitter=splitter, lr=1e-2,
+                   cbs={cbs})
+'''
+
+TEXT = '''\
+import numpy as np, pandas as pd
+from fastai.text.all import *
+
+def corpus(n=96):
+    "Short documents over 12 words; the label says whether the first word is one of the first six"
+    rs = np.random.RandomState(0)
+    words = [f'w{{i}}' for i in range(12)]
+    docs = [list(rs.choice(words, rs.randint(4, 16))) for _ in range(n)]
+    return pd.DataFrame({{'text': [' '.join(d) for d in docs], 'label': [int(d[0] in words[:6]) for d in docs]}})
+
+dls = TextDataLoaders.from_df(corpus(), text_col='text', label_col='label', valid_pct=0.2, seed=42, bs=8, tok_tfm=BaseTokenizer())
+
+def make_learner(path):
+    config = dict(awd_lstm_clas_config, emb_sz=16, n_hid=32, n_layers=2)
+    return text_classifier_learner(dls, AWD_LSTM, pretrained=False, seq_len=8, config=config, metrics=accuracy, path=path,
+                                   lr=1e-2, cbs={cbs})
+'''
+
+def _lr(rng, kind):
+    "A learning-rate argument, or none (then `learn.lr`)"
+    r = rng.random()
+    if r < 0.35: return ''
+    if kind == 'fine_tune': return ', ' + rng.choice(['2e-3', '5e-3', 'base_lr=1e-2'])
+    v = rng.choice(['1e-2', '3e-3', 'slice(1e-3, 1e-2)' if kind != 'fit' else '5e-3'])
+    return f', {v}'
+
+def _fit(rng, app, var, per_call, every, bg):
+    "One fit call's statement (in a loop at times), and its description"
+    kind = rng.choice(KINDS)
+    n = rng.choice([1, 1, 2]) if app == 'digits' else 1
+    args = f'{n}{_lr(rng, kind)}'
+    if kind == 'fine_tune': args += f', freeze_epochs={rng.choice([1, 1, 0])}'
+    if per_call: args += ', cbs=autoresume()'
+    stmt = f'{var}.{kind}({args})'
+    if rng.random() < 0.12:
+        return [f'for i in range(2):', f'    {stmt}'], f'loop 2x {stmt}'
+    return [stmt], stmt
+
+def _op(rng, var):
+    "A step between two fit calls"
+    op = rng.choice(OPS + ('nothing', 'nothing'))
+    code = {'freeze': f'{var}.freeze()', 'freeze_to': f'{var}.freeze_to(-2)', 'unfreeze': f'{var}.unfreeze()',
+            'validate': f'print({var}.validate())', 'get_preds': f'preds,targs = {var}.get_preds()',
+            'lr': f'{var}.lr = {rng.choice(["3e-3", "2e-2"])}', 'nothing': None}[op]
+    return ([code] if code else []), (code or '')
+
+_NONE = object()
+
+def make_script(seed, app=None, shape=None, every_iter=_NONE, background=None, mixup=None)->tuple:
+    "The text of a random script from `seed`, and a dict describing it; the arguments given force what they name"
+    rng = random.Random(seed)
+    app = app or ('text' if rng.random() < 0.25 else 'digits')
+    shape = shape or rng.choice(SHAPES)
+    every = rng.choice([None, 1, 2, 3, 3, 4, 5, 7])
+    if every_iter is not _NONE: every = every_iter
+    bg = rng.random() < 0.15
+    if background is not None: bg = background
+    mixup = (app == 'digits' and rng.random() < 0.25) if mixup is None else mixup
+    n_calls = rng.randint(2 if shape in ('cached', 'export') else 1, 4)
+    per_call = shape == 'per_call'
+    cbs = "[Probe()]" + ("" if per_call else f" + ([AutoResume({_ar_args(every, bg)})] if resume else [])")
+    cbs += " + [MixUp()]" if mixup else ""
+    body,desc = [],[]
+    fits = [_fit(rng, app, 'learn', per_call, every, bg) for _ in range(n_calls)]
+    ops = [_op(rng, 'learn') if (i or rng.random() < 0.3) else ([], '') for i in range(n_calls)]
+    split = rng.randint(1, n_calls-1) if shape in ('cached', 'export') else None
+    for i,((fcode,fdesc),(ocode,odesc)) in enumerate(zip(fits, ops)):
+        if shape == 'cached' and i == 0:
+            body += ["if (path/'models'/'stage1.pth').exists(): learn.load('stage1')", "else:"]
+            stage = ocode + fcode
+            for j in range(1, split): stage += ops[j][0] + fits[j][0]
+            body += ['    ' + l for l in stage] + ["    learn.save('stage1')"]
+            desc.append(f"[cached stage1: {'; '.join(d for k in range(split) for d in (ops[k][1], fits[k][1]) if d)}]")
+        if shape == 'cached' and i < split: continue
+        if shape == 'export' and i == split:
+            body += ["learn.export('stage.pkl')", "learn = load_learner(path/'stage.pkl')", "learn.dls = dls"]
+            desc.append('export+load_learner')
+        body += ocode + fcode
+        desc += [d for d in (odesc, fdesc) if d]
+    learners = ['learn']
+    if shape in ('two_same', 'two_other'):
+        where = 'path' if shape == 'two_same' else "path/'second'"
+        body.append(f"learn2 = make_learner({where})")
+        d2 = []
+        for i in range(rng.randint(1, 2)):
+            (oc,od),(fc,fd) = (_op(rng, 'learn2') if i else ([], '')),_fit(rng, app, 'learn2', False, every, bg)
+            body += oc + fc
+            d2 += [d for d in (od, fd) if d]
+        desc.append(f"learner 2 ({'same folder' if shape == 'two_same' else 'other folder'}): {'; '.join(d2)}")
+        learners.append('learn2')
+    text = HEAD.format(seed=seed)
+    if per_call: text += f"def autoresume(): return [AutoResume({_ar_args(every, bg)})] if resume else []  # one per fit call\n\n"
+    text += (DIGITS if app == 'digits' else TEXT).format(cbs=cbs)
+    text += "\nlearn = make_learner(path)\n" + '\n'.join(body) + f"\nsave_results(out, {', '.join(learners)})\n"
+    info = dict(seed=seed, app=app, shape=shape, every_iter=every, background=bg, mixup=mixup, calls='; '.join(desc))
+    doc = f'"""Random script {seed}: {describe(info)}"""\n'
+    return doc + text, info
+
+def _ar_args(every, bg): return ', '.join([f'every_iter={every}'] * (every is not None) + ['background=True'] * bg)
+
+def describe(info)->str:
+    "One line: the app, shape and options, then the calls"
+    opts = [info['app'], info['shape'], f"every_iter={info['every_iter']}"] + ['background'] * info['background'] + \
+           ['MixUp'] * info['mixup']
+    return f"{', '.join(opts)}: {info['calls']}"
+
+# ---------------------------------------------------------------- kill windows
+WINDOWS = ('first', 'epoch_end', 'between', 'valid', 'end_write', 'mid')
+
+def parse(lines)->list:
+    "The events a run printed: `(kind, id, *ints)`"
+    out = []
+    for l in lines:
+        p = l.split()
+        if p and p[0] in ('FIT', 'BATCH', 'VALID', 'EVAL', 'END', 'SAVED', 'KILL'): out.append((p[0], *p[1:]))
+    return out
+
+def batches(lines)->list: return [tuple(e[1:]) for e in parse(lines) if e[0] == 'BATCH']
+
+def _candidates(events, window, every)->list:
+    "`(event index, kill spec)` for each kill point of `window` in an uninterrupted run's `events`"
+    fits = {e[1]: (int(e[2]), int(e[3])) for e in events if e[0] == 'FIT'}
+    out = []
+    for k,e in enumerate(events):
+        if e[0] == 'BATCH':
+            cid,ep,it = e[1],int(e[2]),int(e[3])
+            n_iter = fits[cid][1]
+            if window == 'first' and ep == 0 and it == 0: out.append((k, f'batch {cid} 0 0'))
+            if window == 'epoch_end' and it == n_iter-1: out.append((k, f'batch {cid} {ep} {it}'))
+            if window == 'mid': out.append((k, f'batch {cid} {ep} {it}'))
+        if window == 'valid' and e[0] == 'VALID': out.append((k, f'valid {e[1]} {e[2]} {e[3]}'))
+        if window == 'end_write' and e[0] == 'END' and fits[e[1]][0] > 0:
+            out += [(k, f'endwrite {e[1]} half'), (k, f'endwrite {e[1]} whole')]
+    if window == 'between':
+        ends = [k for k,e in enumerate(events) if e[0] == 'SAVED']
+        for k in ends:
+            out.append((k, f'saved {events[k][1]}'))
+            for j in range(k+1, len(events)):  # up to the next call's first resume point
+                e = events[j]
+                if e[0] == 'EVAL': out.append((j, f'eval {e[1]} 0'))
+                if e[0] == 'FIT': out.append((j, f'fit {e[1]}'))
+                if e[0] == 'BATCH':  # before the call's first resume point (its first periodic write, or its first epoch's end)
+                    if int(e[2]) > 0 or int(e[3]) > min(3, (every or 99) - 1): break
+                    out.append((j, f'batch {e[1]} {e[2]} {e[3]}'))
+                if e[0] == 'SAVED': break
+    return out
+
+def choose_kills(events, rng, every, windows=None)->list:
+    "One or two `(window, spec)` kill points, in the order they happen; `windows` forces the windows"
+    windows = list(windows or [rng.choice(WINDOWS)] + ([rng.choice(WINDOWS)] if rng.random() < 0.5 else []))
+    out,after = [],-1
+    for w in windows:
+        c = [(k, s) for k,s in _candidates(events, w, every) if k > after]
+        if not c: c = [(k, s) for k,s in _candidates(events, 'mid', every) if k > after]; w = 'mid'
+        if not c: break
+        k,s = rng.choice(c)
+        out.append((w, s)); after = k
+    return out
+
+# ---------------------------------------------------------------- one case
+def _run(forker, script, args, cwd, env=None, timeout=120):
+    "Run `script` in `cwd` as a forked child, at most `timeout` s (its process group killed after); `(rc, lines)`"
+    from killrerun import run_until
+    Path(cwd).mkdir(parents=True, exist_ok=True)
+    try: return run_until(forker, script, args, cwd=cwd, env=env, timeout=timeout, sig=None)
+    except AssertionError as e: return 'timeout', str(e).splitlines()
+
+def _diffs(ref, got)->list:
+    from helpers import diff_values
+    a,b = torch.load(ref, weights_only=True),torch.load(got, weights_only=True)
+    return diff_values(a['learners'], b['learners'], 'learners')
+
+def _steps(f): return torch.load(f, weights_only=True)['steps']
+
+def _trace(lines)->str:
+    "The exception of a Traceback in `lines` (its message's next line too, when fastai wraps it), and the one it was raised in; or ''"
+    text = ''.join(lines)
+    if 'Traceback' not in text: return ''
+    ls = text.splitlines()
+    exc = [i for i,l in enumerate(ls) if re.match(r'^[\w.]+(Error|Exception|Exit|Interrupt)\b', l)]
+    if not exc: return [l for l in ls if l.strip()][-1][:200]
+    def one(i):
+        m = ls[i].strip()
+        if m.endswith(':') and i+1 < len(ls) and ls[i+1].strip(): m += ' ' + ls[i+1].strip()
+        return m[:240]
+    last,first = one(exc[-1]),one(exc[0])
+    return last if first == last else f'{last} (raised while handling {first})'
+
+def _last(lines)->str: return next((l.strip() for l in reversed(lines) if l.strip()), '')[:300]
+
+class Outcome(Exception):
+    "How a case ended: `kind` is 'passed', 'refused' or 'failed'"
+    def __init__(self, kind, what=''): super().__init__(what); self.kind,self.what = kind,what
+
+def _ended(rc, lines, what):
+    "A run that exited non-zero: refused (one message, no Traceback, no batch trained) or failed"
+    if rc == 'timeout': raise Outcome('failed', f'{what}: did not finish (timeout)')
+    if (t := _trace(lines)): raise Outcome('failed', f'{what}: crashed with {t}')
+    if (n := len(batches(lines))): raise Outcome('failed', f'{what}: exited {rc} after training {n} batches: {_last(lines)}')
+    raise Outcome('refused', f'{what}: {_last(lines)}')
+
+def run_case(forker, seed, folder, windows=None, timeout=120, plain=True, kills=None, **force)->dict:
+    """Generate script `seed`, run it uninterrupted (with `AutoResume`; without it too when `plain`), kill it at one or two points,
+    rerun it to the end and once more; return a dict: `outcome`, `symptom`, `kills`, `info`, `cpu` (children's CPU seconds).
+    `kills`: `(window, spec)` pairs to use instead of drawing them (to reproduce a case)"""
+    folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
+    text,info = make_script(seed, **force)
+    script = folder/'script.py'
+    script.write_text(text)
+    res = dict(seed=seed, info=info, desc=describe(info), kills=[], outcome=None, symptom='', runs=0)
+    cpu0,t0 = resource.getrusage(resource.RUSAGE_CHILDREN),time.monotonic()
+    def run(name, cwd, out, *args, env=None):
+        res['runs'] += 1
+        rc,lines = _run(forker, str(script), [out, *args], cwd, env=env, timeout=timeout)
+        (folder/f"{res['runs']}-{name.replace(' ', '')}.log").write_text(f"rc={rc} env={env}\n" + ''.join(lines))
+        return rc,lines
+    try:
+        ref,out = folder/'ref.pth',folder/'out.pth'
+        rc,ref_lines = run('reference', folder/'ref', ref)
+        if rc != 0: _ended(rc, ref_lines, 'the uninterrupted run')
+        events,ref_b = parse(ref_lines),batches(ref_lines)
+        if plain:
+            plain_out = folder/'plain.pth'
+            rc,lines = run('plain', folder/'plain', plain_out, '--plain')
+            if rc != 0: raise Outcome('failed', f'stock fastai (--plain) exited {rc}: {_trace(lines) or _last(lines)}')
+            d = _diffs(plain_out, ref)
+            if batches(lines) != ref_b or _steps(plain_out) != _steps(ref):
+                raise Outcome('failed', f'uninterrupted run with AutoResume trained {len(ref_b)} batches ({_steps(ref)} steps), '
+                                        f'stock fastai {len(batches(lines))} ({_steps(plain_out)} steps)')
+            if d: raise Outcome('failed', f'uninterrupted run with AutoResume differs from stock fastai: {d[0]}')
+        kills = kills or choose_kills(events, random.Random(seed * 7919 + 1), info['every_iter'], windows)
+        res['kills'] = kills
+        run_dir,trained = folder/'run',[]
+        for n,(w,spec) in enumerate(kills):
+            rc,lines = run(f'kill {n+1}', run_dir, out, env={'RS_KILL': spec})
+            what = f'kill {n+1} ({w}: {spec})' if n == 0 else f'the rerun after kill {n} (to be killed at {w}: {spec})'
+            if rc == 0:
+                if n == 0: raise Outcome('failed', f'the run meant to be killed at {spec} never got there and ended')
+                trained.append(batches(lines)); break  # it did not get there: it is the rerun to the end
+            if rc != -signal.SIGKILL: _ended(rc, lines, what)
+            if not any(l.startswith('KILL ') for l in lines): raise Outcome('failed', f'{what}: killed by something else')
+            trained.append(batches(lines))
+        else:
+            rc,lines = run('rerun', run_dir, out)
+            if rc != 0: _ended(rc, lines, f'the rerun after {len(kills)} kill(s)')
+            trained.append(batches(lines))
+        last = trained[-1]
+        d = _diffs(ref, out)
+        tail = ref_b[len(ref_b)-len(last):] if last else []
+        if d: raise Outcome('failed', f'exit 0 with other weights ({len(d)} differences; first: {d[0]})')
+        if last != tail:
+            raise Outcome('failed', f'the rerun to the end trained {len(last)} batches that are not the rest of the uninterrupted run')
+        if _steps(out) != len(last): raise Outcome('failed', f'the rerun took {_steps(out)} optimizer steps for {len(last)} batches')
+        rc,lines = run('again', run_dir, out)
+        if rc != 0: _ended(rc, lines, 'a rerun after the end')
+        if batches(lines): raise Outcome('failed', f'a rerun after the end trained {len(batches(lines))} batches')
+        if (d := _diffs(ref, out)): raise Outcome('failed', f'a rerun after the end ended with other weights: {d[0]}')
+        raise Outcome('passed')
+    except Outcome as o: res.update(outcome=o.kind, symptom=o.what)
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    res.update(cpu=cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, wall=time.monotonic() - t0)
+    return res

@@ -1,0 +1,78 @@
+"""Issue 28's randomized-script defense, a fixed sample: generated scripts (digits MLP, text classifier) of several shapes, each run
+uninterrupted with `AutoResume` and as stock fastai (same bits), killed in chosen windows (first batch, last batch of an epoch,
+between two calls, inside validation, inside the end-of-call write), rerun to the end (bitwise the uninterrupted run, or refused
+before training with one message) and once more (trains nothing). See `random_scripts.py`; `benchmarks/soak.py` runs many more.
+
+The cases marked `xfail(strict=True)` fail on the code of issue 28's filing, each for the defect its reason names: when a fix
+lands, its case passes and the strict xfail fails, so remove the mark then."""
+import random
+import pytest
+from forked import Forker
+import random_scripts as rs
+
+@pytest.fixture(scope='module')
+def forker():
+    import torch
+    torch.set_num_threads(1)
+    return Forker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.text.all', 'resumable_train.all', 'sklearn.datasets'))
+
+def _xf(reason): return pytest.mark.xfail(strict=True, reason=f"issue 28: {reason}")
+
+# (seed, what make_script is forced to, kill windows); background writes off so that each case is deterministic
+CASES = [
+    pytest.param(10, dict(app='digits', shape='one'), ['first', 'between'], id='digits-first-between'),
+    pytest.param(11, dict(app='digits', shape='one'), ['epoch_end', 'end_write'], id='digits-epochend-endwrite'),
+    pytest.param(12, dict(app='digits', shape='one'), ['valid', 'mid'], id='digits-valid-mid'),
+    pytest.param(15, dict(app='digits', shape='two_other'), ['between'], id='digits-two-learners-other-folder'),
+    pytest.param(23, dict(app='text', shape='one'), ['between'], id='text-between'),
+    pytest.param(13, dict(app='digits', shape='one'), ['between'], id='digits-freeze-between-calls', marks=_xf(
+        "the ULMFiT window: freeze() between two calls, killed in call 2 before its first resume point; the rerun skips "
+        "call 1 ('this run already finished', which is false) and exits 0 with other weights. Cause: in the uninterrupted run "
+        "the frozen parameters keep call 1's zeroed .grad (fastai zeroes grads in place), so weight decay still moves them in "
+        "call 2; after the skip loads call 1's end state their .grad is None and they stay put")),
+    pytest.param(14, dict(app='digits', shape='two_same'), ['mid'], id='digits-two-learners-same-folder', marks=_xf(
+        "two Learners in one folder: with no kill, learner 2 is taken for learner 1's fit call 1 and refused with a "
+        "Traceback (CheckpointError 'resume points of a different run')")),
+    pytest.param(16, dict(app='digits', shape='per_call'), ['first'], id='digits-autoresume-per-fit-call', marks=_xf(
+        "AutoResume per fit call: with no kill, call 2's new AutoResume takes it for fit call 1 and refuses it, then "
+        "AttributeError: 'NoneType' object has no attribute 'cbs' (AutoResume._cleanup)")),
+    pytest.param(17, dict(app='digits', shape='cached'), ['end_write'], id='digits-cached-stage', marks=_xf(
+        "a stage cached with save/load: the rerun takes stage 2 for fit call 1 and crashes with a Traceback "
+        "(CheckpointError 'resume points of a different run')")),
+    pytest.param(18, dict(app='digits', shape='export'), ['first'], id='digits-export-load-learner', marks=_xf(
+        "export + load_learner + fit: AttributeError: 'NoneType' object has no attribute 'restore' (stop_signals)")),
+    pytest.param(20, dict(app='digits', shape='one', mixup=True), ['between'], id='digits-mixup-skipped-call', marks=_xf(
+        "MixUp and a skipped call: AttributeError 'stack_y' from MixUp.after_cancel_fit on the rerun")),
+]
+
+@pytest.mark.parametrize('seed,force,windows', CASES)
+def test_random_script(forker, tmp_path, seed, force, windows):
+    "Bitwise equal to the uninterrupted run (and to stock fastai), or refused before training; a rerun after the end trains nothing"
+    r = rs.run_case(forker, seed, tmp_path, windows=windows, timeout=120, background=False, **force)
+    assert r['outcome'] in ('passed', 'refused'), f"script {seed} ({r['desc']}), kills {r['kills']}: {r['symptom']}"
+    assert [w for w,_ in r['kills']] == windows, f"the kill windows drawn: {r['kills']}"
+
+def test_generator_and_windows():
+    "The same seed writes the same script, which compiles; every shape and kind appears; each window has its kill points"
+    seen = set()
+    for seed in range(300):
+        text,info = rs.make_script(seed)
+        assert (text,info) == rs.make_script(seed)
+        compile(text, f'script{seed}.py', 'exec')
+        seen |= {info['shape'], info['app']} | {k for k in rs.KINDS if f'.{k}(' in text}
+    assert seen >= set(rs.SHAPES) | set(rs.KINDS) | {'digits', 'text'}
+    # the events of an uninterrupted run of two calls (3 and 2 batches an epoch, every_iter=2), a validate() between them
+    ev = [('FIT', '5.0', '2', '3')] + [e for ep in (0, 1) for e in [('BATCH', '5.0', str(ep), str(i)) for i in range(3)] +
+                                        [('VALID', '5.0', str(ep), '0')]] + [('END', '5.0'), ('SAVED', '5.0'), ('EVAL', 'E6.0'),
+          ('FIT', '7.0', '1', '2'), ('BATCH', '7.0', '0', '0'), ('BATCH', '7.0', '0', '1'), ('VALID', '7.0', '0', '0'),
+          ('END', '7.0'), ('SAVED', '7.0')]
+    specs = lambda w: {s for _,s in rs._candidates(ev, w, 2)}
+    assert specs('first') == {'batch 5.0 0 0', 'batch 7.0 0 0'}
+    assert specs('epoch_end') == {'batch 5.0 0 2', 'batch 5.0 1 2', 'batch 7.0 0 1'}
+    assert specs('between') == {'saved 5.0', 'eval E6.0 0', 'fit 7.0', 'batch 7.0 0 0', 'batch 7.0 0 1', 'saved 7.0'}
+    assert specs('valid') == {'valid 5.0 0 0', 'valid 5.0 1 0', 'valid 7.0 0 0'}
+    assert specs('end_write') == {f'endwrite {c} {m}' for c in ('5.0', '7.0') for m in ('half', 'whole')}
+    for seed in range(20):  # two kills: in the order they happen
+        ks = rs.choose_kills(ev, random.Random(seed), 2, ['mid', 'mid'])
+        idx = [next(k for k,s in rs._candidates(ev, 'mid', 2) if s == spec) for _,spec in ks]
+        assert idx == sorted(set(idx))
