@@ -145,10 +145,9 @@ def forget_runs():
     "Forget this process's runs, as a new process does: for examples that stand in for a script run again"
     _run_states.clear()
 
+@atexit.register
 def say_finished():
     "Once the script made its last fit call (at exit): say of each run that trained nothing that it had already finished"
     for rs in _run_states.values():
         if not rs.trained and rs.finished_note: print(rs.finished_note, flush=True)
         rs.finished_note = None
-
-atexit.register(say_finished)

@@ -92,7 +92,8 @@ def fit_plan(learn)->dict:
     "What the running fit call was asked to do beyond its setup: its call, hyperparameters, schedules, loss, optimizer"
     sched = next((cb for cb in learn.cbs if is_a(cb, 'fastai.callback.schedule.ParamScheduler')), None)
     scheds = {k: [_number(f(p)) for p in _PCTS] for k,f in (sched.scheds.items() if sched else [])}
-    hs = learn.opt.hypers if learn.opt is not None else []
+    # in a fit call: as it was asked for them, before a callback (`ReduceLROnPlateau`) or a resume point changed them
+    hs = learn.resume.asked if learn.resume.fitting else learn.opt.hypers if learn.opt is not None else []
     hypers = [{k:v for k,v in h.items() if k not in scheds} for h in hs]
     call = learn.resume.call  # the fit method as the user called it (`hooks.fit_call`)
     loss,opt = _settings(learn.loss_func),_settings(learn.opt_func)

@@ -3,8 +3,9 @@ uninterrupted with `AutoResume` and as stock fastai (same bits), killed in chose
 between two calls, inside validation, inside the end-of-call write), rerun to the end (bitwise the uninterrupted run, or refused
 before training with one message) and once more (trains nothing). See `random_scripts.py`; `benchmarks/soak.py` runs many more.
 
-The cases marked `xfail(strict=True)` fail on the code of issue 28's filing, each for the defect its reason names: when a fix
-lands, its case passes and the strict xfail fails, so remove the mark then."""
+The last six cases failed on the code of issue 28's filing: the ULMFiT window (`freeze` between two calls: a skipped call left no
+gradients), two Learners in one folder, `AutoResume` per fit call, a cached stage, `export` + `load_learner`, `MixUp` across a
+skipped call."""
 import random
 import pytest
 from forked import Forker
@@ -16,8 +17,6 @@ def forker():
     torch.set_num_threads(1)
     return Forker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.text.all', 'resumable_train.all', 'sklearn.datasets'))
 
-def _xf(reason): return pytest.mark.xfail(strict=True, reason=f"issue 28: {reason}")
-
 # (seed, what make_script is forced to, kill windows); background writes off so that each case is deterministic
 CASES = [
     pytest.param(10, dict(app='digits', shape='one'), ['first', 'between'], id='digits-first-between'),
@@ -25,24 +24,12 @@ CASES = [
     pytest.param(12, dict(app='digits', shape='one'), ['valid', 'mid'], id='digits-valid-mid'),
     pytest.param(15, dict(app='digits', shape='two_other'), ['between'], id='digits-two-learners-other-folder'),
     pytest.param(23, dict(app='text', shape='one'), ['between'], id='text-between'),
-    pytest.param(13, dict(app='digits', shape='one'), ['between'], id='digits-freeze-between-calls', marks=_xf(
-        "the ULMFiT window: freeze() between two calls, killed in call 2 before its first resume point; the rerun skips "
-        "call 1 ('this run already finished', which is false) and exits 0 with other weights. Cause: in the uninterrupted run "
-        "the frozen parameters keep call 1's zeroed .grad (fastai zeroes grads in place), so weight decay still moves them in "
-        "call 2; after the skip loads call 1's end state their .grad is None and they stay put")),
-    pytest.param(14, dict(app='digits', shape='two_same'), ['mid'], id='digits-two-learners-same-folder', marks=_xf(
-        "two Learners in one folder: with no kill, learner 2 is taken for learner 1's fit call 1 and refused with a "
-        "Traceback (CheckpointError 'resume points of a different run')")),
-    pytest.param(16, dict(app='digits', shape='per_call'), ['first'], id='digits-autoresume-per-fit-call', marks=_xf(
-        "AutoResume per fit call: with no kill, call 2's new AutoResume takes it for fit call 1 and refuses it, then "
-        "AttributeError: 'NoneType' object has no attribute 'cbs' (AutoResume._cleanup)")),
-    pytest.param(17, dict(app='digits', shape='cached'), ['end_write'], id='digits-cached-stage', marks=_xf(
-        "a stage cached with save/load: the rerun takes stage 2 for fit call 1 and crashes with a Traceback "
-        "(CheckpointError 'resume points of a different run')")),
-    pytest.param(18, dict(app='digits', shape='export'), ['first'], id='digits-export-load-learner', marks=_xf(
-        "export + load_learner + fit: AttributeError: 'NoneType' object has no attribute 'restore' (stop_signals)")),
-    pytest.param(20, dict(app='digits', shape='one', mixup=True), ['between'], id='digits-mixup-skipped-call', marks=_xf(
-        "MixUp and a skipped call: AttributeError 'stack_y' from MixUp.after_cancel_fit on the rerun")),
+    pytest.param(13, dict(app='digits', shape='one'), ['between'], id='digits-freeze-between-calls'),
+    pytest.param(14, dict(app='digits', shape='two_same'), ['mid'], id='digits-two-learners-same-folder'),
+    pytest.param(16, dict(app='digits', shape='per_call'), ['first'], id='digits-autoresume-per-fit-call'),
+    pytest.param(17, dict(app='digits', shape='cached'), ['end_write'], id='digits-cached-stage'),
+    pytest.param(18, dict(app='digits', shape='export'), ['first'], id='digits-export-load-learner'),
+    pytest.param(20, dict(app='digits', shape='one', mixup=True), ['between'], id='digits-mixup-skipped-call'),
 ]
 
 @pytest.mark.parametrize('seed,force,windows', CASES)

@@ -99,3 +99,17 @@ def test_refusal_prints_only_its_message(forker, tmp_path):
     assert rc == 1 and 'Traceback' not in text and 'During handling' not in text, text[-3000:]
     assert not batches(lines), "a refused run trained"
     assert text.startswith('Cannot resume inside an epoch of a fastai TfmdDL over an iterable dataset') and len(text.splitlines()) <= 2, text
+
+def test_start_fresh_then_ls(forker, tmp_path, capsys):
+    "A run refused as another run's, started fresh by the refusal's own fix: `ls` tells the new run's story alone"
+    from resumable_train.cli import main
+    run = tmp_path/'run'
+    rc,lines = rerun_with(forker, tmp_path, [], ['--tfms', 'scale'])  # killed, then rerun with other item transforms
+    text = ''.join(lines)
+    assert rc == 1 and 'To start fresh, delete' in text, text[-2000:]
+    for f in (run/'models').glob('autoresume-*.pth'): f.unlink()  # the refusal's fix
+    run_to_end(forker, SCRIPT, [tmp_path/'out.pth', '--tfms', 'scale'], cwd=run)
+    capsys.readouterr()
+    assert main(['ls', str(run)]) == 0
+    out = capsys.readouterr().out
+    assert 'killed' not in out and 'trained again' not in out and 'started' in out, out
