@@ -27,7 +27,7 @@ from .seeding import SeedBatches
 from .learner import *
 from .learner import log_history, load_through, bypassed
 from .checkpoints import *
-from .checkpoints import Writer, host_copy, entries, file_name, scan_run, holder_rank
+from .checkpoints import Writer, Snapshot, entries, file_name, scan_run, holder_rank
 from .fitcalls import FitCalls
 from .signals import SIGNALS, StopSignals, WorkerSignals
 from .runlog import RunLog, point_at
@@ -111,7 +111,7 @@ class AutoResume(Callback):
         store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,'
                    'stop_wait,fresh_callbacks,replay')
         self.fit_calls,self.fits,self.ends,self.due,self.last_point = FitCalls(),[],[],False,None
-        self.writer,self.host_copy,self.fitting,self.skipped,self.stopped = Writer(background),None,False,False,False
+        self.writer,self.snapshot,self.fitting,self.skipped,self.stopped = Writer(background),None,False,False,False
         self.stop_signals,self.runlog = self._new_stop_signals(),None
         self.resumed_iter,self.resumed_from = None,None  # the `train_iter` this fit call resumed at, and where from
 
@@ -350,14 +350,17 @@ class AutoResume(Callback):
         if not self.writer.wait(stopping): return  # before copying: one copy of the state at a time
         ck = checkpoint(self.learn, extra=extra)
         start = log_history(self.learn, ck, self.store, self.log)  # appended here: a few rows
-        if self.background: ck = self.host_copy = host_copy(ck, self.host_copy)
+        if self.background:
+            self.snapshot = self.snapshot or Snapshot()
+            ck = self.snapshot.take(ck)  # on the device when it has room; the copy ends in the writer's thread
         bg = self.background or stopping is not None
         self.writer(partial(self._write, ck, name, start), then=self._prune, background=bg)
         self.last_save = time.monotonic()
         return name
 
     def _write(self, ck, name, start=None):
-        "Write the resume point `ck` as `name`, and start the history log it could not append to"
+        "Write the resume point `ck` (or the snapshot that gives it) as `name`, and start the history log it could not append to"
+        if callable(ck): ck = ck()
         self.store.save(ck, name, cancel=self.writer.cancel)
         if start: start()
         # written and durable: where a rerun continues
@@ -424,7 +427,7 @@ class AutoResume(Callback):
         if getattr(self, 'worker_signals', None): self.worker_signals.stop()
         self.stop_signals.restore()
         hide_probes(self.learn, False)
-        self.host_copy = None
+        self.snapshot = None
         if self.added_seed:
             seeds = L(self.learn.cbs).filter(lambda cb: isinstance(cb, SeedBatches))
             for cb in seeds: cb.after_train()  # a stop inside the training phase left its patches on the DataLoader

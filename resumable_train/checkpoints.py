@@ -156,14 +156,91 @@ class Writer:
         return True
 
 # %% ../nbs/02_checkpoints.ipynb #533badb7
-def host_copy(new, buf=None):
+def host_copy(new, buf=None, non_blocking:bool=False):
     "A host copy of `new`, reusing the same-shaped tensors of `buf` (an earlier copy) where it can"
     if isinstance(new, torch.Tensor):
-        if isinstance(buf, torch.Tensor) and buf.shape == new.shape and buf.dtype == new.dtype: return buf.copy_(new)
-        return torch.empty(new.shape, dtype=new.dtype, pin_memory=new.is_cuda).copy_(new)
+        if isinstance(buf, torch.Tensor) and buf.shape == new.shape and buf.dtype == new.dtype:
+            return buf.copy_(new, non_blocking=non_blocking)
+        return torch.empty(new.shape, dtype=new.dtype, pin_memory=new.is_cuda).copy_(new, non_blocking=non_blocking)
     if isinstance(new, dict):
-        return {k: host_copy(v, buf.get(k) if isinstance(buf, dict) else None) for k,v in new.items()}
+        return {k: host_copy(v, buf.get(k) if isinstance(buf, dict) else None, non_blocking) for k,v in new.items()}
     if isinstance(new, (list, tuple)):
         bufs = buf if isinstance(buf, (list, tuple)) and len(buf) == len(new) else [None]*len(new)
-        return type(new)(host_copy(v, b) for v,b in zip(new, bufs))
+        return type(new)(host_copy(v, b, non_blocking) for v,b in zip(new, bufs))
     return new
+
+# %% ../nbs/02_checkpoints.ipynb #9d4af60c
+def tensor_leaves(o)->list:
+    "The tensors in nested dicts, lists and tuples `o`, each once"
+    if isinstance(o, torch.Tensor): return [o]
+    vs = o.values() if isinstance(o, dict) else o if isinstance(o, (list, tuple)) else ()
+    return list({id(t): t for v in vs for t in tensor_leaves(v)}.values())
+
+def map_tensors(o, f):
+    "`o` with each tensor `t` replaced by `f(t)`"
+    if isinstance(o, torch.Tensor): return f(o)
+    if isinstance(o, dict): return {k: map_tensors(v, f) for k,v in o.items()}
+    if isinstance(o, (list, tuple)): return type(o)(map_tensors(v, f) for v in o)
+    return o
+
+class DeviceCopies:
+    "How `Snapshot` copies a CUDA device's tensors: cloned on the training stream, then to pinned host buffers on a side stream"
+    margin = 0.05  # of the device's memory, left free besides the clone and a training batch's own peak
+    def __init__(self): self.streams = {}
+    def on_device(self, t)->bool: return t.is_cuda
+
+    def room(self, nbytes:int, device)->tuple:
+        "Is there room on `device` for `nbytes` more? And the bytes free once a batch's peak and the margin are set aside"
+        free,total = torch.cuda.mem_get_info(device)
+        used = torch.cuda.memory_allocated(device)
+        left = free + torch.cuda.memory_reserved(device) - used - (torch.cuda.max_memory_allocated(device) - used) - self.margin*total
+        return left >= nbytes, left
+
+    def clone(self, ts:list)->tuple:
+        "Clones of `ts`, queued on the training stream; and the event that follows them"
+        out = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in ts]
+        torch._foreach_copy_(out, ts)
+        return out, torch.cuda.current_stream(ts[0].device).record_event()
+
+    def to_host(self, tree, buf, ready):
+        "`tree` (its device tensors the clones) in pinned host buffers (`buf`'s where they fit), copied on a side stream once `ready`"
+        side = self.streams.setdefault(ready.device, torch.cuda.Stream(ready.device))
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
+            out = host_copy(tree, buf, non_blocking=True)
+        side.synchronize()
+        return out
+
+# %% ../nbs/02_checkpoints.ipynb #dc94ca06
+class Snapshot:
+    "The copy of a resume point a background write writes: taken on the device when it has room (see `DeviceCopies`), else on the host"
+    copies = DeviceCopies()  # how device tensors are copied (tests put a stand-in here)
+    def __init__(self): self.buf,self.on_device = None,None  # the host buffers, kept; the device path (decided once)
+
+    def take(self, ck:dict):
+        "Copy `ck` as the training loop holds it now; a function, for the writer's thread, that gives its host copy"
+        ts = [t for t in tensor_leaves(ck) if self.copies.on_device(t)]
+        if ts and self.on_device is None: self.on_device = self._room(ts)
+        if not (ts and self.on_device):
+            self.buf = host_copy(ck, self.buf)
+            return lambda: self.buf
+        clones,ready = self.copies.clone(ts)
+        by_id = {id(t): c for t,c in zip(ts, clones)}
+        tree = [map_tensors(ck, lambda t: by_id[id(t)] if id(t) in by_id else t.clone())]
+        def finish():
+            self.buf = self.copies.to_host(tree.pop(), self.buf, ready)  # popped: the clones are freed once copied
+            return self.buf
+        return finish
+
+    def _room(self, ts)->bool:
+        "Can the device hold a clone of `ts`? If not, say so (once a `fit`: the `Snapshot` lives as long)"
+        devices,n = {t.device for t in ts},sum(t.nbytes for t in ts)
+        ok,left = self.copies.room(n, ts[0].device) if len(devices) == 1 else (False, None)
+        if not ok:
+            why = (f"the state is on {len(devices)} devices" if left is None else
+                   f"{ts[0].device} has {max(left, 0)/2**30:.2f} GiB free for it, after a training batch's peak and a "
+                   f"{self.copies.margin:.0%} margin")
+            warnings.warn(f"AutoResume(background=True): no room on the device for a snapshot of the state "
+                          f"({n/2**30:.2f} GiB; {why}); copying each resume point to host memory instead, "
+                          "which holds up training longer")
+        return ok
