@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_checkpoints.ipynb #0f709534
 from __future__ import annotations
-import os, re, threading, warnings
+import os, re, threading, time, warnings
 import torch, torch.distributed as dist
 from fastcore.foundation import L
 from fastai.torch_core import rank_distrib
@@ -244,3 +244,22 @@ class Snapshot:
                           f"({n/2**30:.2f} GiB; {why}); copying each resume point to host memory instead, "
                           "which holds up training longer")
         return ok
+
+# %% ../nbs/02_checkpoints.ipynb #974e132b
+class StandInCopies(DeviceCopies):
+    "A CPU stand-in for a GPU (for tests and `gpu_check.py --device cpu`): every tensor counts as a device tensor; steps are told to `say`"
+    def __init__(self, room:bool=True, # whether the "device" has room for the clone
+                 delay:float=0., # seconds the copy to the host takes, besides the copy
+                 say=None): # called with 'clone' and 'copy' as they happen (by default: kept in `log`)
+        self.has_room,self.delay,self.log = room,delay,[]
+        self.say = say or self.log.append
+    def on_device(self, t)->bool: return True
+    def room(self, nbytes:int, device)->tuple: return self.has_room, (2**40 if self.has_room else 0)
+    def clone(self, ts:list)->tuple:
+        self.say('clone')
+        return [t.clone() for t in ts], None
+    def to_host(self, tree, buf, ready):
+        time.sleep(self.delay)
+        out = host_copy(tree, buf)
+        self.say('copy')
+        return out
