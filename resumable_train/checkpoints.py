@@ -197,16 +197,18 @@ class DeviceCopies:
         return left >= nbytes, left
 
     def clone(self, ts:list)->tuple:
-        "Clones of `ts`, queued on the training stream; and the event that follows them"
+        "Clones of `ts` (on one device), queued on the training stream; and `(device, the event that follows them)`"
         out = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in ts]
         torch._foreach_copy_(out, ts)
-        return out, torch.cuda.current_stream(ts[0].device).record_event()
+        return out, (ts[0].device, torch.cuda.current_stream(ts[0].device).record_event())
 
     def to_host(self, tree, buf, ready):
         "`tree` (its device tensors the clones) in pinned host buffers (`buf`'s where they fit), copied on a side stream once `ready`"
-        side = self.streams.setdefault(ready.device, torch.cuda.Stream(ready.device))
+        device,event = ready
+        if device not in self.streams: self.streams[device] = torch.cuda.Stream(device)
+        side = self.streams[device]
         with torch.cuda.stream(side):
-            side.wait_event(ready)
+            side.wait_event(event)
             out = host_copy(tree, buf, non_blocking=True)
         side.synchronize()
         return out
