@@ -17,7 +17,7 @@
 6. Issue 32, from process start to the first training batch of a resumed run, against a fresh start plus `cat file > /dev/null`.
 
 Check 1 runs with `AutoResume(background=True)`, in fp16 and in fp32: on a GPU with room, its resume points are device snapshots.
-`--checks 1 5 6` runs only those.
+`--checks 5 1 6` runs only those, in that order.
 
 Prints a report (also written to OUT/gpu_check.md) and exits 1 if a check failed. The tests skip it without a GPU (tests/test_benchmarks.py).
 """
@@ -193,8 +193,8 @@ def main():
               ('save cost and background stall', lambda dev, d: costs(dev, d, a.quick)),
               ('what a resume point costs the training loop (issue 32)', lambda dev, d: issue32(dev, d, a.quick, 'saves')),
               ('resume time (issue 32)', lambda dev, d: issue32(dev, d, a.quick, 'resumes'))]
-    for i,(name,f) in enumerate(checks, 1):
-        if a.checks and i not in a.checks: continue
+    for i in a.checks or range(1, len(checks)+1):  # in the order asked for
+        name,f = checks[i-1]
         t = time.perf_counter()
         d = out/f'check{i}'; d.mkdir(parents=True, exist_ok=True)
         try: ok,what = f(a.device, d)
@@ -202,7 +202,7 @@ def main():
         failed |= ok is False
         lines.append(f"{i}. **{name}**: {'ok' if ok else 'SKIPPED' if ok is None else 'FAILED'} ({time.perf_counter()-t:.0f} s): {what}")
         print(lines[-1], flush=True)
-    (out/'gpu_check.md').write_text('\n'.join(lines) + '\n')
+        (out/'gpu_check.md').write_text('\n'.join(lines) + '\n')  # after each check: a run stopped at its limit keeps what it did
     print(f"\nreport: {out/'gpu_check.md'}")
     sys.exit(1 if failed else 0)
 
