@@ -153,7 +153,7 @@ def snapshot_exact(device)->str:
     get = s.take({'w': t})
     for _ in range(20): t.mul_(1.5).add_(1)  # the next batches, queued behind the clone
     res = [None]
-    th = threading.Thread(target=lambda: res.__setitem__(0, get()))
+    th = threading.Thread(target=lambda: res.__setitem__(0, get.to_host()))
     th.start(); th.join(60)
     freed = device != 'cuda' or torch.cuda.memory_allocated() == base
     ok = res[0] is not None and torch.equal(res[0]['w'], want) and not torch.equal(t.cpu(), want)

@@ -27,7 +27,7 @@ from .seeding import SeedBatches
 from .learner import *
 from .learner import log_history, load_through, bypassed
 from .checkpoints import *
-from .checkpoints import Writer, Snapshot, entries, file_name, scan_run, holder_rank
+from .checkpoints import Writer, Snapshot, Pending, entries, file_name, scan_run, holder_rank
 from .fitcalls import FitCalls
 from .signals import SIGNALS, StopSignals, WorkerSignals
 from .runlog import RunLog, point_at
@@ -352,15 +352,15 @@ class AutoResume(Callback):
         start = log_history(self.learn, ck, self.store, self.log)  # appended here: a few rows
         if self.background:
             self.snapshot = self.snapshot or Snapshot()
-            ck = self.snapshot.take(ck)  # on the device when it has room; the copy ends in the writer's thread
+            ck = self.snapshot.take(ck)  # on the device when it has room (`Pending`)
         bg = self.background or stopping is not None
         self.writer(partial(self._write, ck, name, start), then=self._prune, background=bg)
         self.last_save = time.monotonic()
         return name
 
     def _write(self, ck, name, start=None):
-        "Write the resume point `ck` (or the snapshot that gives it) as `name`, and start the history log it could not append to"
-        if callable(ck): ck = ck()
+        "Write the resume point `ck` as `name`, and start the history log it could not append to"
+        if isinstance(ck, Pending): ck = ck.to_host()  # a device snapshot: its copy to the host ends here
         self.store.save(ck, name, cancel=self.writer.cancel)
         if start: start()
         # written and durable: where a rerun continues

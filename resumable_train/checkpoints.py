@@ -220,19 +220,15 @@ class Snapshot:
     def __init__(self): self.buf,self.on_device = None,None  # the host buffers, kept; the device path (decided once)
 
     def take(self, ck:dict):
-        "Copy `ck` as the training loop holds it now; a function, for the writer's thread, that gives its host copy"
+        "Copy `ck` as the training loop holds it now: its host copy, or a `Pending` device snapshot"
         ts = [t for t in tensor_leaves(ck) if self.copies.on_device(t)]
         if ts and self.on_device is None: self.on_device = self._room(ts)
         if not (ts and self.on_device):
             self.buf = host_copy(ck, self.buf)
-            return lambda: self.buf
+            return self.buf
         clones,ready = self.copies.clone(ts)
         by_id = {id(t): c for t,c in zip(ts, clones)}
-        tree = [map_tensors(ck, lambda t: by_id[id(t)] if id(t) in by_id else t.clone())]
-        def finish():
-            self.buf = self.copies.to_host(tree.pop(), self.buf, ready)  # popped: the clones are freed once copied
-            return self.buf
-        return finish
+        return Pending(map_tensors(ck, lambda t: by_id[id(t)] if id(t) in by_id else t.clone()), self, ready)
 
     def _room(self, ts)->bool:
         "Can the device hold a clone of `ts`? If not, say so (once a `fit`: the `Snapshot` lives as long)"
@@ -246,6 +242,15 @@ class Snapshot:
                           f"({n/2**30:.2f} GiB; {why}); copying each resume point to host memory instead, "
                           "which holds up training longer")
         return ok
+
+class Pending(dict):
+    "A resume point taken on the device, its tensors the clones; `to_host()`, in the writer's thread, gives its host copy"
+    def __init__(self, tree:dict, snap:Snapshot, ready): super().__init__(tree); self.snap,self.ready,self.host = snap,ready,None
+    def to_host(self)->dict:
+        if self.host is None:
+            self.host = self.snap.buf = self.snap.copies.to_host(dict(self), self.snap.buf, self.ready)
+            self.clear()  # copied: the clones go back to the allocator
+        return self.host
 
 # %% ../nbs/02_checkpoints.ipynb #974e132b
 class StandInCopies(DeviceCopies):
