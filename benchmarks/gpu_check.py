@@ -11,19 +11,26 @@
    Recorders bitwise those of an uninterrupted run. On one GPU, a world of one rank (nccl puts one rank on a GPU).
 3. CUDA's random streams: `rng_state`/`set_rng_state` give back every device's generator.
 4. Save cost and the stall of a background save with the model on the GPU (the host copy): `benchmarks/run.py --only checkpoint stall`.
+5. Issue 32, what a resume point costs the training loop at 0.6 and 2.4 GB of state, side by side in one process: bare `torch.save`,
+   `learn.save`, Accelerate `save_state`, DCP `async_save` (default and pinned-memory stagers), `AutoResume(background=True)` with the host
+   copy and with the device snapshot; the limits (a copy into pinned host buffers, a clone on the device). `benchmarks/device_saves.py`.
+6. Issue 32, from process start to the first training batch of a resumed run, against a fresh start plus `cat file > /dev/null`.
+
+Check 1 runs with `AutoResume(background=True)`, in fp16 and in fp32: on a GPU with room, its resume points are device snapshots.
+`--checks 5 1 6` runs only those, in that order.
 
 Prints a report (also written to OUT/gpu_check.md) and exits 1 if a check failed. The tests skip it without a GPU (tests/test_benchmarks.py).
 """
 import argparse, os, signal, subprocess, sys, tempfile, time
 from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT/'tests')]
+sys.path[:0] = [str(ROOT), str(ROOT/'tests'), str(ROOT/'benchmarks')]
 PATH = [str(ROOT), str(ROOT/'tests'), *filter(None, os.environ.get('PYTHONPATH', '').split(os.pathsep))]  # the caller's too
 ENV = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1', PYTHONPATH=os.pathsep.join(PATH))
 EVERY = 5
 
-def child(device, out, kill_at):
-    "One training run (`--child`): a digits MLP in fp16 on `device`, SIGKILLed after each training batch in `kill_at`"
+def child(device, out, kill_at, precision):
+    "One training run (`--child`): a digits MLP in `precision` on `device`, background resume points, SIGKILLed after each batch in `kill_at`"
     import warnings
     import torch
     from torch import nn
@@ -36,13 +43,14 @@ def child(device, out, kill_at):
 
     class Keep(Callback):
         "Count trained batches; keep the scaler as the last step left it; SIGKILL this process after training batch `kill_at`"
-        order,trained = AutoResume.order+1,0  # after the resume point of the batch; a fit that finished earlier trains none
+        order,trained,device_path = AutoResume.order+1,0,False  # after the resume point of the batch; a fit that finished earlier trains none
         def after_step(self):
             s = getattr(self.learn, 'scaler', None)
             if s is not None: self.last = (s.state_dict(), list(self.learn.mixed_precision.scales))
         def after_batch(self):
             if not self.training: return
             self.trained += 1
+            self.device_path |= bool(getattr(ar.snapshot, 'on_device', False))
             if self.train_iter in kill_at: os.kill(os.getpid(), signal.SIGKILL)
 
     set_seed(3, reproducible=True)
@@ -50,12 +58,12 @@ def child(device, out, kill_at):
     x,y = torch.tensor(x, dtype=torch.float32)/16, torch.tensor(y)
     dls = DataLoaders.from_dsets(list(zip(x[:512], y[:512])), list(zip(x[512:640], y[512:640])), bs=16, num_workers=2, device=device)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.2), nn.Linear(256, 10))
-    keep = Keep()
-    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=[keep, AutoResume(every_iter=EVERY)],
-                    path=Path(out).parent/'run').to_fp16()
+    keep,ar = Keep(),AutoResume(every_iter=EVERY, background=True)
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=[keep, ar], path=Path(out).parent/'run')
+    if precision == 'fp16': learn = learn.to_fp16()
     with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(3, 1e-2)
     res = dict(model=learn.model.state_dict(), opt=learn.opt.state_dict()['state'], values=learn.recorder.values,
-               losses=learn.recorder.losses, trained=keep.trained)
+               losses=learn.recorder.losses, trained=keep.trained, device_path=keep.device_path)
     if hasattr(keep, 'last'): res['scaler'],res['scales'] = keep.last
     torch.save(to_plain(res), out)
 
@@ -72,11 +80,11 @@ def run(cmd, timeout=300):
         except ProcessLookupError: pass
     return p.returncode, out
 
-def fp16(device, d):
-    "Check 1: fp16 killed twice and rerun, against an uninterrupted run"
+def killed(device, d, precision):
+    "Check 1: `precision` killed twice and rerun, against an uninterrupted run"
     import torch
     from helpers import diff_values
-    me = [sys.executable, __file__, '--device', device, '--child']
+    me = [sys.executable, __file__, '--device', device, '--precision', precision, '--child']
     rc,out = run(me + [str(d/'ref'/'out.pt')])
     if rc: return False, f"the uninterrupted run failed ({rc}): {out[-1500:]}"
     for k in (13, 27):
@@ -86,14 +94,31 @@ def fp16(device, d):
     if rc: return False, f"the rerun failed ({rc}): {out[-1500:]}"
     a,b = torch.load(d/'ref'/'out.pt', weights_only=True),torch.load(d/'run'/'out.pt', weights_only=True)
     trained = b.pop('trained'); total = a.pop('trained')
+    paths = {a.pop('device_path'), b.pop('device_path')}
     bad = diff_values(a, b)
     if bad: return False, f"{len(bad)} differences from the uninterrupted run: {bad[:5]}"
     rc,out = run(me + [str(d/'run'/'again.pt')])  # the same run folder (`run` next to the output)
     again = torch.load(d/'run'/'again.pt', weights_only=True)['trained'] if rc == 0 else None
     if again != 0: return False, f"a rerun after the end trained {again} batches (rc {rc})"
     scaler = a.get('scaler') or {}
-    return True, (f"bitwise after 2 kills ({total} batches, the last rerun trained {trained}); scaler "
-                  f"{'scale ' + str(scaler.get('scale')) if scaler else 'disabled (no CUDA)'}, {len(a.get('scales') or [])} steps")
+    snap = 'device snapshots' if paths == {True} else 'host copies' if paths == {False} else 'device snapshots and host copies'
+    return True, (f"bitwise after 2 kills ({total} batches, the last rerun trained {trained}; background resume points: {snap}); scaler "
+                  f"{'scale ' + str(scaler.get('scale')) if scaler else 'disabled (no CUDA or fp32)'}, {len(a.get('scales') or [])} steps")
+
+def killed_both(device, d):
+    "Check 1 in fp16 (`to_fp16`) and in fp32"
+    res = [(p, *killed(device, d/p, p)) for p in ('fp16', 'fp32')]
+    return all(ok for _,ok,_ in res), '; '.join(f"{p}: {what}" for p,_,what in res)
+
+def issue32(device, d, quick, which):
+    "Checks 5 and 6: the table of save stalls, or of resume times (`benchmarks/device_saves.py`)"
+    import device_saves as ds
+    from common import machine_info
+    reps = 1 if quick else 3
+    t = ds.save_table(device, quick, reps, d) if which == 'saves' else ds.resume_table(device, quick, reps, d, __file__, ENV)
+    info = machine_info(quick, device)
+    t.save(d, info)
+    return True, 'table below\n\n' + t.markdown(info)
 
 def nccl(device, d):
     "Check 2: two DDPTrainer ranks, one killed, relaunched"
@@ -143,9 +168,18 @@ def main():
     p.add_argument('--out', default=None, help='folder for gpu_check.md (default: a temporary folder)')
     p.add_argument('--quick', action='store_true', help='the cost benchmarks in their quick sizes')
     p.add_argument('--child', default=None, help=argparse.SUPPRESS)
+    p.add_argument('--checks', type=int, nargs='+', default=None, help='run only these checks (numbers above)')
     p.add_argument('--kill-at', type=int, nargs='*', default=[], help=argparse.SUPPRESS)
+    p.add_argument('--precision', default='fp16', help=argparse.SUPPRESS)
+    p.add_argument('--resume-child', default=None, help=argparse.SUPPRESS)
+    p.add_argument('--width', type=int, help=argparse.SUPPRESS)
+    p.add_argument('--layers', type=int, help=argparse.SUPPRESS)
+    p.add_argument('--save', action='store_true', help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.child: return child(a.device, a.child, set(a.kill_at))
+    if a.child: return child(a.device, a.child, set(a.kill_at), a.precision)
+    if a.resume_child:
+        import device_saves
+        return device_saves.child(a.resume_child, a.width, a.layers, a.device, a.save)
     import torch
     if a.device == 'cuda' and not torch.cuda.is_available(): sys.exit("gpu_check: no GPU here (torch.cuda.is_available() is False); "
                                                                       "`--device cpu` runs the same logic on the CPU")
@@ -154,10 +188,13 @@ def main():
     lines = [f"# GPU check ({a.device}: {torch.cuda.get_device_name(0) if a.device == 'cuda' else 'cpu'}, "
              f"{torch.cuda.device_count() if a.device == 'cuda' else 0} GPU(s), torch {torch.__version__})", '']
     failed = False
-    checks = [('to_fp16 killed and resumed', fp16), ('DDPTrainer under torchrun killed and relaunched', nccl),
-              ('CUDA random streams', cuda_rng),
-              ('save cost and background stall', lambda dev, d: costs(dev, d, a.quick))]
-    for i,(name,f) in enumerate(checks, 1):
+    checks = [('to_fp16 and fp32 killed and resumed (background resume points)', killed_both),
+              ('DDPTrainer under torchrun killed and relaunched', nccl), ('CUDA random streams', cuda_rng),
+              ('save cost and background stall', lambda dev, d: costs(dev, d, a.quick)),
+              ('what a resume point costs the training loop (issue 32)', lambda dev, d: issue32(dev, d, a.quick, 'saves')),
+              ('resume time (issue 32)', lambda dev, d: issue32(dev, d, a.quick, 'resumes'))]
+    for i in a.checks or range(1, len(checks)+1):  # in the order asked for
+        name,f = checks[i-1]
         t = time.perf_counter()
         d = out/f'check{i}'; d.mkdir(parents=True, exist_ok=True)
         try: ok,what = f(a.device, d)
@@ -165,7 +202,7 @@ def main():
         failed |= ok is False
         lines.append(f"{i}. **{name}**: {'ok' if ok else 'SKIPPED' if ok is None else 'FAILED'} ({time.perf_counter()-t:.0f} s): {what}")
         print(lines[-1], flush=True)
-    (out/'gpu_check.md').write_text('\n'.join(lines) + '\n')
+        (out/'gpu_check.md').write_text('\n'.join(lines) + '\n')  # after each check: a run stopped at its limit keeps what it did
     print(f"\nreport: {out/'gpu_check.md'}")
     sys.exit(1 if failed else 0)
 

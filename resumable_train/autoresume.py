@@ -30,7 +30,7 @@ from .seeding import SeedBatches
 from .learner import *
 from .learner import log_history, load_through, bypassed
 from .checkpoints import *
-from .checkpoints import Writer, host_copy, entries, file_name, scan_run, holder_rank
+from .checkpoints import Writer, Snapshot, Pending, entries, file_name, scan_run, holder_rank
 from .fitcalls import FitCalls, run_state, start_digest
 from .signals import SIGNALS, StopSignals, WorkerSignals
 from .runlog import RunLog, point_at
@@ -142,7 +142,7 @@ class AutoResume(Callback):
     def _idle(self):
         "The state between fit calls: every field a fit call sets, at rest (see the table above)"
         self.state,self.decision,self.run_state = 'idle',None,None
-        self.stop_signals,self.worker_signals,self.runlog,self.host_copy = self._new_stop_signals(),None,None,None
+        self.stop_signals,self.worker_signals,self.runlog,self.snapshot = self._new_stop_signals(),None,None,None
         self.added_seed,self.due,self.last_point,self.next_num,self.src = False,False,None,1,0
         self.watched,self.last_epoch,self.stop_note = [],None,''
 
@@ -420,7 +420,9 @@ class AutoResume(Callback):
         if not self.writer.wait(stopping): return  # before copying: one copy of the state at a time
         ck = checkpoint(self.learn, extra=extra)
         start = log_history(self.learn, ck, self.store, self.log)  # appended here: a few rows
-        if self.background: ck = self.host_copy = host_copy(ck, self.host_copy)
+        if self.background:
+            self.snapshot = self.snapshot or Snapshot()
+            ck = self.snapshot.take(ck)  # on the device when it has room (`Pending`)
         bg = self.background or stopping is not None
         self.writer(partial(self._write, ck, name, start), then=self._prune, background=bg)
         self.last_save = time.monotonic()
@@ -440,6 +442,7 @@ class AutoResume(Callback):
 
     def _write(self, ck, name, start=None):
         "Write the resume point `ck` as `name`, and start the history log it could not append to"
+        if isinstance(ck, Pending): ck = ck.to_host()  # a device snapshot: its copy to the host ends here
         self.store.save(ck, name, cancel=self.writer.cancel)
         if start: start()
         # written and durable: where a rerun continues

@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_checkpoints.ipynb #0f709534
 from __future__ import annotations
-import os, re, threading, warnings
+import os, re, threading, time, warnings
 import torch, torch.distributed as dist
 from fastcore.foundation import L
 from fastai.torch_core import rank_distrib
@@ -156,14 +156,117 @@ class Writer:
         return True
 
 # %% ../nbs/02_checkpoints.ipynb #533badb7
-def host_copy(new, buf=None):
+def host_copy(new, buf=None, non_blocking:bool=False):
     "A host copy of `new`, reusing the same-shaped tensors of `buf` (an earlier copy) where it can"
     if isinstance(new, torch.Tensor):
-        if isinstance(buf, torch.Tensor) and buf.shape == new.shape and buf.dtype == new.dtype: return buf.copy_(new)
-        return torch.empty(new.shape, dtype=new.dtype, pin_memory=new.is_cuda).copy_(new)
+        if isinstance(buf, torch.Tensor) and buf.shape == new.shape and buf.dtype == new.dtype:
+            return buf.copy_(new, non_blocking=non_blocking)
+        return torch.empty(new.shape, dtype=new.dtype, pin_memory=new.is_cuda).copy_(new, non_blocking=non_blocking)
     if isinstance(new, dict):
-        return {k: host_copy(v, buf.get(k) if isinstance(buf, dict) else None) for k,v in new.items()}
+        return {k: host_copy(v, buf.get(k) if isinstance(buf, dict) else None, non_blocking) for k,v in new.items()}
     if isinstance(new, (list, tuple)):
         bufs = buf if isinstance(buf, (list, tuple)) and len(buf) == len(new) else [None]*len(new)
-        return type(new)(host_copy(v, b) for v,b in zip(new, bufs))
+        return type(new)(host_copy(v, b, non_blocking) for v,b in zip(new, bufs))
     return new
+
+# %% ../nbs/02_checkpoints.ipynb #9d4af60c
+def tensor_leaves(o)->list:
+    "The tensors in nested dicts, lists and tuples `o`, each once"
+    if isinstance(o, torch.Tensor): return [o]
+    vs = o.values() if isinstance(o, dict) else o if isinstance(o, (list, tuple)) else ()
+    return list({id(t): t for v in vs for t in tensor_leaves(v)}.values())
+
+def map_tensors(o, f):
+    "`o` with each tensor `t` replaced by `f(t)`"
+    if isinstance(o, torch.Tensor): return f(o)
+    if isinstance(o, dict): return {k: map_tensors(v, f) for k,v in o.items()}
+    if isinstance(o, (list, tuple)): return type(o)(map_tensors(v, f) for v in o)
+    return o
+
+class DeviceCopies:
+    "How `Snapshot` copies a CUDA device's tensors: cloned on the training stream, then to pinned host buffers on a side stream"
+    margin = 0.05  # of the device's memory, left free besides the clone and a training batch's own peak
+    def __init__(self): self.streams = {}
+    def on_device(self, t)->bool: return t.is_cuda
+
+    def room(self, nbytes:int, device)->tuple:
+        "Is there room on `device` for `nbytes` more? And the bytes free once a batch's peak and the margin are set aside"
+        free,total = torch.cuda.mem_get_info(device)
+        used = torch.cuda.memory_allocated(device)
+        left = free + torch.cuda.memory_reserved(device) - used - (torch.cuda.max_memory_allocated(device) - used) - self.margin*total
+        return left >= nbytes, left
+
+    def clone(self, ts:list)->tuple:
+        "Clones of `ts` (on one device), queued on the training stream; and `(device, the event that follows them)`"
+        out = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in ts]
+        torch._foreach_copy_(out, ts)
+        return out, (ts[0].device, torch.cuda.current_stream(ts[0].device).record_event())
+
+    def to_host(self, tree, buf, ready):
+        "`tree` (its device tensors the clones) in pinned host buffers (`buf`'s where they fit), copied on a side stream once `ready`"
+        device,event = ready
+        if device not in self.streams: self.streams[device] = torch.cuda.Stream(device)
+        side = self.streams[device]
+        with torch.cuda.stream(side):
+            side.wait_event(event)
+            out = host_copy(tree, buf, non_blocking=True)
+        side.synchronize()
+        return out
+
+# %% ../nbs/02_checkpoints.ipynb #dc94ca06
+class Snapshot:
+    "The copy of a resume point a background write writes: taken on the device when it has room (see `DeviceCopies`), else on the host"
+    copies = DeviceCopies()  # how device tensors are copied (tests put a stand-in here)
+    def __init__(self): self.buf,self.on_device = None,None  # the host buffers, kept; the device path (decided once)
+
+    def take(self, ck:dict):
+        "Copy `ck` as the training loop holds it now: its host copy, or a `Pending` device snapshot"
+        ts = [t for t in tensor_leaves(ck) if self.copies.on_device(t)]
+        if ts and self.on_device is None: self.on_device = self._room(ts)
+        if not (ts and self.on_device):
+            self.buf = host_copy(ck, self.buf)
+            return self.buf
+        clones,ready = self.copies.clone(ts)
+        by_id = {id(t): c for t,c in zip(ts, clones)}
+        return Pending(map_tensors(ck, lambda t: by_id[id(t)] if id(t) in by_id else t.clone()), self, ready)
+
+    def _room(self, ts)->bool:
+        "Can the device hold a clone of `ts`? If not, say so (once a `fit`: the `Snapshot` lives as long)"
+        devices,n = {t.device for t in ts},sum(t.nbytes for t in ts)
+        ok,left = self.copies.room(n, ts[0].device) if len(devices) == 1 else (False, None)
+        if not ok:
+            why = (f"the state is on {len(devices)} devices" if left is None else
+                   f"{ts[0].device} has {max(left, 0)/2**30:.2f} GiB free for it, after a training batch's peak and a "
+                   f"{self.copies.margin:.0%} margin")
+            warnings.warn(f"AutoResume(background=True): no room on the device for a snapshot of the state "
+                          f"({n/2**30:.2f} GiB; {why}); copying each resume point to host memory instead, "
+                          "which holds up training longer")
+        return ok
+
+class Pending(dict):
+    "A resume point taken on the device, its tensors the clones; `to_host()`, in the writer's thread, gives its host copy"
+    def __init__(self, tree:dict, snap:Snapshot, ready): super().__init__(tree); self.snap,self.ready,self.host = snap,ready,None
+    def to_host(self)->dict:
+        if self.host is None:
+            self.host = self.snap.buf = self.snap.copies.to_host(dict(self), self.snap.buf, self.ready)
+            self.clear()  # copied: the clones go back to the allocator
+        return self.host
+
+# %% ../nbs/02_checkpoints.ipynb #974e132b
+class StandInCopies(DeviceCopies):
+    "A CPU stand-in for a GPU (for tests and `gpu_check.py --device cpu`): every tensor counts as a device tensor; steps are told to `say`"
+    def __init__(self, room:bool=True, # whether the "device" has room for the clone
+                 delay:float=0., # seconds the copy to the host takes, besides the copy
+                 say=None): # called with 'clone' and 'copy' as they happen (by default: kept in `log`)
+        self.has_room,self.delay,self.log = room,delay,[]
+        self.say = say or self.log.append
+    def on_device(self, t)->bool: return True
+    def room(self, nbytes:int, device)->tuple: return self.has_room, (2**40 if self.has_room else 0)
+    def clone(self, ts:list)->tuple:
+        self.say('clone')
+        return [t.clone() for t in ts], None
+    def to_host(self, tree, buf, ready):
+        time.sleep(self.delay)
+        out = host_copy(tree, buf)
+        self.say('copy')
+        return out

@@ -26,3 +26,17 @@ def test_gpu_check(tmp_path):
     res = run([PY, str(ROOT/'benchmarks'/'gpu_check.py'), '--quick', '--out', str(tmp_path)], timeout=600)
     check_rc(res, 'benchmarks/gpu_check.py')
     assert 'FAILED' not in (tmp_path/'gpu_check.md').read_text()
+
+def test_gpu_check_issue32_on_cpu(tmp_path):
+    "Issue 32's tables run on a CPU (the device snapshot on `StandInCopies`): every variant measured, none failed"
+    res = run([PY, str(ROOT/'benchmarks'/'gpu_check.py'), '--device', 'cpu', '--quick', '--checks', '5', '6', '--out', str(tmp_path)],
+              timeout=400)
+    check_rc(res, 'benchmarks/gpu_check.py --device cpu --checks 5 6')
+    report = (tmp_path/'gpu_check.md').read_text()
+    assert 'FAILED' not in report and 'failed:' not in report, report
+    saves = json.loads((tmp_path/'check5'/'device_saves.json').read_text())['rows']
+    for what in ('bare torch.save', 'learn.save', 'dcp async_save (default stager)', 'AutoResume background, host copy',
+                 'AutoResume background, device snapshot (device path taken)', 'limit: clone on the device'):
+        assert any(r[2] == what for r in saves), (what, saves)
+    resumes = json.loads((tmp_path/'check6'/'resume_time.json').read_text())['rows']
+    assert len(resumes) == 2 and all(float(r[5]) > 0 for r in resumes), resumes

@@ -112,4 +112,4 @@ def test_start_fresh_then_ls(forker, tmp_path, capsys):
     capsys.readouterr()
     assert main(['ls', str(run)]) == 0
     out = capsys.readouterr().out
-    assert 'killed' not in out and 'trained again' not in out and 'started' in out, out
+    assert '0 interruptions (0 killed, 0 stopped); 0 batches trained twice' in out and ': killed' not in out, out
