@@ -68,6 +68,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                      'resumable_train.cli._metrics': ('cli.html#_metrics', 'resumable_train/cli.py'),
                                      'resumable_train.cli._num': ('cli.html#_num', 'resumable_train/cli.py'),
                                      'resumable_train.cli._parser': ('cli.html#_parser', 'resumable_train/cli.py'),
+                                     'resumable_train.cli._plain': ('cli.html#_plain', 'resumable_train/cli.py'),
                                      'resumable_train.cli._plot': ('cli.html#_plot', 'resumable_train/cli.py'),
                                      'resumable_train.cli._pos': ('cli.html#_pos', 'resumable_train/cli.py'),
                                      'resumable_train.cli._rows': ('cli.html#_rows', 'resumable_train/cli.py'),

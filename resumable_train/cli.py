@@ -57,7 +57,8 @@ def _metrics(rec):
     row = [_num(v) for v in vals[-1]] if vals else []
     names = list(rec.get('metric_names') or [])[:len(row)]
     names += ['train_loss', 'valid_loss', *[f'metric_{i}' for i in range(len(row))]][len(names):len(row)]
-    return dict(epoch=len(vals)-1 if vals else None, values=dict(zip(names, row)),
+    return dict(epoch=len(vals) if vals else None,  # numbered from 1, as the text
+                values=dict(zip(names, row)),
                 loss=_num(losses[-1]) if losses else None, lr=_num(lrs[-1]) if lrs else None)
 
 def _kind(state):
@@ -99,6 +100,8 @@ def checkpoint_info(file)->dict:
         # numbered from 1, as the text and the progress bar
         pos = dict(epoch=rec['epoch']+1, batch=rec['iter'], n_epoch=setup.get('n_epoch'), n_iter=setup.get('n_iter'),
                    train_iter=rec.get('train_iter'), pct_train=rec.get('pct_train'))
+        # at an epoch's end: that epoch's last batch, never the first of an epoch past the last (`7` of 6)
+        if rec['iter'] == 0 and rec['epoch'] > 0 and pos['n_iter']: pos.update(epoch=rec['epoch'], batch=pos['n_iter'])
     w = _world(rec)
     fit = rec.get('fit_index')
     return dict(info, resume=True, version=rec.get('version'), position=pos, fit_call=None if fit is None else fit+1,
@@ -106,6 +109,10 @@ def checkpoint_info(file)->dict:
                 metrics=_metrics(rec), meta={k:_num(v) for k,v in (rec.get('meta') or {}).items()})
 
 # %% ../nbs/04_cli.ipynb #f7e3b7b7
+def _plain(s)->str:
+    "`s` as one line with its control characters escaped: text read from a file cannot move the cursor or colour the terminal"
+    return ''.join(c if c.isprintable() else c.encode('unicode_escape').decode() for c in str(s))
+
 def _when(t): return datetime.datetime.fromtimestamp(t).strftime('%Y-%m-%d %H:%M:%S')
 
 def _bytes(n):
@@ -115,6 +122,7 @@ def _bytes(n):
 
 def _pos(p):
     "A resume point's position numbered as fastai's progress bar numbers it: epochs from 1, batches done so far"
+    if p['batch'] == p['n_iter']: return f"after epoch {p['epoch']}/{p['n_epoch']}"
     if p['batch'] == 0:
         return f"after epoch {p['epoch']-1}/{p['n_epoch']}" if p['epoch'] > 1 else f"start of epoch 1/{p['n_epoch']}"
     return f"epoch {p['epoch']}/{p['n_epoch']}, after batch {p['batch']}/{p['n_iter']}"
@@ -162,7 +170,7 @@ def _table(info)->str:
         rows.append(('fit call', f"{info['fit_call']} (the script's fit calls counted from 1)"))
     if m['values']:
         values = ', '.join(f"{k} {_fmt(v)}" for k,v in m['values'].items())
-        rows.append(('last epoch', f"epoch {m['epoch']+1}: {values}"))
+        rows.append(('last epoch', f"epoch {m['epoch']}: {values}"))
     if m['loss'] is not None: rows.append(('last batch', f"smoothed loss {_fmt(m['loss'])}, lr {_fmt(m['lr'])}"))
     meta = info['meta']
     if meta: rows.append(('written', ' '.join(filter(None, [_when(meta['time']) if 'time' in meta else None, 'with',
@@ -171,15 +179,16 @@ def _table(info)->str:
 
 def _rows(rows):
     w = max(len(k) for k,_ in rows)
-    return '\n'.join(f"{k:<{w}}  {v}" for k,v in rows)
+    return '\n'.join(f"{k:<{w}}  {_plain(v)}" for k,v in rows)
 
 # %% ../nbs/04_cli.ipynb #5dc8f556
 def _err(msg)->int:
-    print(f"resumable-train: {msg}", file=sys.stderr)
+    print(f"resumable-train: {_plain(msg)}", file=sys.stderr)
     return 2
 
-_NUMBERING = ("as the text: position.epoch counts from 1 (the epoch the next batch belongs to), position.batch is how "
-              "many of its batches were trained, fit_call counts from 1")
+_NUMBERING = ("as the text: position.epoch counts from 1 (the epoch being trained: at an epoch's end, that epoch with "
+              "position.batch = n_iter), position.batch is how many of its batches were trained, metrics.epoch (the last "
+              "epoch with values) and fit_call count from 1")
 
 def _history(a)->int:
     "`inspect` of a history log, which the resume points next to it refer to"
@@ -215,7 +224,7 @@ def _inspect(a)->int:
 def _runs(store)->dict:
     "The story of each run whose run log is in `store`, by its `fname`: its events and their summary"
     names = sorted(e.name.removesuffix('.runlog') for e in store.ls() if e.name.endswith('.runlog'))
-    return {n: dict(events=(ev := read_runlog(store, n)), summary=run_summary(ev)) for n in names}
+    return {n: dict(events=(ev := read_runlog(store, n, strict=True)), summary=run_summary(ev)) for n in names}
 
 # %% ../nbs/04_cli.ipynb #e1c788ea
 def _folder(d):
@@ -234,7 +243,8 @@ def _ls(a)->int:
         store = _store(a.dir)
         pths = (e for e in store.ls() if e.name.endswith('.pth'))
         entries = sorted(pths, key=lambda e: (e.modified or 0, e.name), reverse=True)
-    except StoreError as e:
+        runs = _runs(store)
+    except (StoreError, ValueError) as e:
         if not a.json: return _err(e)
         print(json.dumps(dict(folder=str(a.dir), error=str(e)), indent=1))
         return 2
@@ -244,11 +254,11 @@ def _ls(a)->int:
         try: info = checkpoint_info(f); status,where = 'valid',_where(info)
         except CheckpointError as err:
             info,status,where = None,'invalid' if e.complete else 'incomplete',str(err).removeprefix(str(f)).strip()
-        rows.append((_when(e.modified or 0), _bytes(e.size), status, where, e.name))
+        rows.append((_when(e.modified or 0), _bytes(e.size), status, _plain(where), _plain(e.name)))
         info = info or dict(file=str(f), size=e.size, modified=e.modified, error=where)
         found.append(dict(name=e.name, status=status, **info))
     if a.json:
-        print(json.dumps(dict(folder=store.url, checkpoints=found, numbering=_NUMBERING, runs=_runs(store)), indent=1))
+        print(json.dumps(dict(folder=store.url, checkpoints=found, numbering=_NUMBERING, runs=runs), indent=1))
         return 0
     if not entries:
         print(f"no checkpoints (*.pth) in {store.url}")
@@ -256,8 +266,9 @@ def _ls(a)->int:
     ws = [max(len(r[i]) for r in rows) for i in range(4)]
     print(f"{store.url}:")
     for r in rows: print('  '.join(f"{c:<{w}}" for c,w in zip(r, ws)) + '  ' + r[4])
-    for fname,run in _runs(store).items():
-        print(f"\nrun {fname} ({fname}.runlog):\n  " + '\n  '.join(timeline(run['events'])))
+    for fname,run in runs.items():
+        print(f"\nrun {_plain(fname)} ({_plain(fname)}.runlog):")
+        print('\n'.join('  ' + _plain(l) for l in timeline(run['events'])))
     return 0
 
 # %% ../nbs/04_cli.ipynb #af71e1e5
@@ -291,14 +302,14 @@ def _plot(a)->int:
     "`plot`: matplotlib is imported here, not when the command starts"
     from resumable_train.plot import plot_run
     try: plot_run(_store(a.dir), a.out, fname=a.fname)
-    except (CheckpointError, StoreError) as e: return _err(e)
+    except (CheckpointError, StoreError, ValueError) as e: return _err(e)
     print(f"wrote {a.out}")
     return 0
 
 # %% ../nbs/04_cli.ipynb #232f2cc6
 def _parser():
     p = argparse.ArgumentParser(prog='resumable-train',
-                                description="Exact resume for fastai training: look inside checkpoints, run the demo")
+                                description="Exact resume for fastai training: look inside checkpoints, list and plot runs, run the demo")
     p.add_argument('--version', action='version', version=f"resumable-train {__version__}")
     sub = p.add_subparsers(dest='cmd', required=True, metavar='{inspect,ls,plot,demo}')
     s = sub.add_parser('inspect', help="what a checkpoint holds")
@@ -306,17 +317,17 @@ def _parser():
                                 "(s3://bucket/run1/autoresume-0003.pth)")
     s.add_argument('--json', action='store_true', help="print JSON, for scripts")
     s.set_defaults(f=_inspect)
-    s = sub.add_parser('ls', help="the checkpoints in a folder, newest first")
+    s = sub.add_parser('ls', help="a folder's checkpoints and runs")
     s.add_argument('dir', help="a folder of .pth files (or a Learner's path, whose models/ holds them), "
                                "or a URL (s3://bucket/run1)")
     s.add_argument('--json', action='store_true', help="print JSON, for scripts")
     s.set_defaults(f=_ls)
-    s = sub.add_parser('plot', help="draw a run: loss per batch, metrics per epoch, learning rate, interruptions")
+    s = sub.add_parser('plot', help="draw a run's loss, metrics and interruptions")
     s.add_argument('dir', help="as for ls: a folder of resume points, a Learner's path, or a URL")
     s.add_argument('-o', '--out', default='run.png', help="the PNG file to write (default: %(default)s)")
     s.add_argument('--fname', default='autoresume', help="the name AutoResume was given (default: %(default)s)")
     s.set_defaults(f=_plot)
-    s = sub.add_parser('demo', help="train a small CNN on digits with AutoResume; Ctrl-C it, rerun it, it resumes")
+    s = sub.add_parser('demo', help="kill a small run, resume it, check its weights")
     s.add_argument('--dir', type=Path, default=Path('resumable-train-demo'),
                    help="where the run keeps its checkpoints (default: %(default)s)")
     s.add_argument('--epochs', type=int, default=5, help="epochs to train (default: %(default)s)")
