@@ -140,3 +140,24 @@ def test_installed(files):
     "The installed command answers from a fresh process (its time against `torch.load` alone is measured in `benchmarks/cli.py`)"
     rc,out,err = run([CMD, 'inspect', str(files/'resume.pth')], timeout=60)
     assert rc == 0 and 'epoch 2/2' in out and err == '', (rc, out, err)
+
+BIG = textwrap.dedent('''
+    import resource, sys
+    from resumable_train.cli import main
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rc = main(['inspect', sys.argv[1]])
+    print(rc, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)//1024)  # kB to MB (Linux)
+''')
+
+@pytest.mark.skipif(sys.platform != 'linux', reason="ru_maxrss is in kB on Linux")
+def test_huge_history_log(tmp_path):
+    "`inspect` of a 3 GB history log (a sparse file) reads its header and size: its peak memory grows by less than 200 MB"
+    from resumable_train.records import LOG_MAGIC
+    head = LOG_MAGIC + b'[["recorder/losses", "stack", "float32", []]]\n'
+    f = tmp_path/'big.history'
+    with open(f, 'wb') as o: o.write(head); o.truncate(3*10**9)
+    rc,out,err = run([PY, '-c', BIG, str(f)], timeout=120)
+    check_rc((rc, out, err), 'inspect of a 3 GB history log')
+    status,grown = map(int, out.split()[-2:])
+    assert status == 0 and f"{(3*10**9 - len(head))//4:,} rows" in out, out
+    assert grown < 200, f"peak memory grew by {grown} MB"
