@@ -4,7 +4,7 @@
 
 # %% ../nbs/02c_autoresume.ipynb #784552e6
 from __future__ import annotations
-import signal, time, warnings
+import errno, signal, time, warnings
 from functools import partial
 from pathlib import Path
 from fastcore.basics import store_attr
@@ -17,7 +17,7 @@ from .atomic import WriteCancelled
 from .store import *
 from .state import *
 from .loaders import *
-from .hooks import hide_probes, hide_progress, refuse_fastai_ddp
+from .hooks import hide_probes, hide_progress, refuse_fastai_ddp, HeldOutput
 from .collectives import *
 from .collectives import read_on_rank0
 from .plans import run_setup, setup_diff, fit_plan, plan_changes
@@ -108,6 +108,11 @@ class AutoResume(Callback):
         if not (isinstance(keep, int) and keep >= 1):
             raise ValueError(f"AutoResume(keep={keep!r}): keep at least 1 resume point; with none, a stopped run could "
                              "not continue")
+        if not (isinstance(fname, str) and fname == Path(fname).name and fname not in ('', '.', '..') and '\0' not in fname):
+            name,folder = Path(str(fname)).name or 'autoresume',Path(str(fname)).parent
+            raise ValueError(f"AutoResume(fname={fname!r}): fname starts the resume points' file names ({name}-0001.pth, "
+                             f"...), so it holds no folder; give the folder as dir: AutoResume(fname={name!r}, "
+                             f"dir={str(folder)!r})")
         store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,'
                    'stop_wait,fresh_callbacks,replay')
         self.fit_calls,self.fits,self.ends,self.due,self.last_point = FitCalls(),[],[],False,None
@@ -166,8 +171,9 @@ class AutoResume(Callback):
         self.resumed_iter,self.resumed_from = None,None  # set by `_continue`
         self.runlog = RunLog(self.store, self.fname, on=not rank_distrib())  # the run's story (`runlog`)
         try: self._decide(plan)
-        except CancelFitException: raise
+        except CancelFitException: self.held.release(); raise
         except BaseException: self._cleanup(); raise
+        self.held.release()
         self.fit_calls.unfinished,self.last_save = True,time.monotonic()
         self.runlog.begin(self.fit_index, (self.n_epoch, self.fits[-1].get('n_iter')), self.resumed_from)
         self.stop_signals.install()
@@ -220,6 +226,7 @@ class AutoResume(Callback):
 
     def left_fit(self):
         "`Learner.fit` ended, whatever the way: put the handlers back and finish the write in flight"
+        if getattr(self, 'held', None): self.held.release(show=False)  # refused at `before_fit`
         if not self.fitting: return
         self.fitting = False
         if self.runlog is not None: self.runlog.ended('an exception')
@@ -231,8 +238,9 @@ class AutoResume(Callback):
     # ---- finding where the run stands
     def _look(self):
         "Scan the run first; when this fit call finished in an earlier run, switch off its progress bar for this fit"
-        self.found = None
+        self.found,self.held = None,None
         if hasattr(self.learn, 'lr_finder') or not getattr(self.learn, '_fitting', False): return
+        self.held = HeldOutput()  # until `before_fit` decides: a refusal is the first line printed for its fit call
         refuse_fastai_ddp(self.learn)
         hide_probes(self.learn)
         try: self.found = self._scan()
@@ -358,8 +366,12 @@ class AutoResume(Callback):
 
     def _write(self, ck, name, start=None):
         "Write the resume point `ck` as `name`, and start the history log it could not append to"
-        self.store.save(ck, name, cancel=self.writer.cancel)
-        if start: start()
+        try:
+            self.store.save(ck, name, cancel=self.writer.cancel)
+            if start: start()
+        except OSError as e:
+            if e.errno != errno.ENOSPC: raise
+            raise OSError(e.errno, f"{e.strerror}; {self._kept()} once there is room") from None
         # written and durable: where a rerun continues
         self.last_point = (self.store.where(name), _describe(resume_record(ck)))
 

@@ -27,7 +27,8 @@ def is_refusal(e:BaseException)->bool:
 
 def refusal_text(e:BaseException)->str:
     "The message of `e`, without the line fastai puts before it about the callback event it was raised in"
-    # an `OSError`'s args are (errno, text): its `str` says both, never the bare number
+    # an `OSError(errno, text)`: fastai's line replaced its args, keeping the errno alone; its text is still there
+    if isinstance(e, OSError) and e.strerror: return e.strerror + (f": {e.filename}" if e.filename else '')
     return _FASTAI.sub('', e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e))
 
 # %% ../nbs/00c_errors.ipynb #a94a4db2

@@ -242,6 +242,16 @@ def hide_progress(learn):
     for cb in learn.cbs:
         if is_a(cb, 'fastai.callback.progress.ProgressCallback'): cb.run = False
 
+class HeldOutput:
+    "Hold what is printed to stdout until `release`: shown then, or dropped (fastai's epoch-table header before a refusal)"
+    def __init__(self): self.buf,self.old = io.StringIO(),sys.stdout; sys.stdout = self.buf
+    def release(self, show:bool=True):
+        "Print what was held (`show`) or drop it; once: a second call does nothing"
+        if self.buf is None: return
+        if sys.stdout is self.buf: sys.stdout = self.old
+        if show: self.old.write(self.buf.getvalue()); self.old.flush()
+        self.buf = None
+
 # %% ../nbs/01_hooks.ipynb #9fb46504
 _FASTAI_DDP = 'fastai.distributed.DistributedTrainer'
 

@@ -60,3 +60,17 @@ def test_misspelled_keyword_refused(tmp_path):
             f"learn = synth_learner(path={str(tmp_path)!r})\nlearn.save('mid')\nlearn.load('mid', with_itr=False)\nprint('LOADED')")
     rc,out,err = run([PY, '-c', code], timeout=120)
     assert rc == 1 and 'LOADED' not in out and "unexpected keyword argument 'with_itr'" in err, (rc, err[-2000:])
+
+def test_full_disk_is_its_message(tmp_path):
+    """A disk that fills up at the second resume point: one message (no space left on the folder, what was kept, what a rerun does),
+    no torch text; the rerun, with room again, continues from the kept resume point"""
+    script = str(TESTS/'full_disk_script.py')
+    rc,out,err = run([PY, script, tmp_path, '3'], timeout=120, env={'FULL_AFTER': '3'})  # the first epoch's point and log are written
+    lines = short(err)
+    assert rc == 1 and 'DONE' not in out and 'Traceback' not in err and 'enforce fail' not in err, (rc, err[-3000:])
+    models = tmp_path/'models'
+    assert lines[0] == (f"no space left on {models} to write autoresume-0002.pth; nothing was written; a rerun continues from "
+                        f"{models}/autoresume-0001.pth (end of epoch 1/3) once there is room"), lines
+    assert len(lines) == 2 and 'RESUMABLE_TRAIN_DEBUG=1' in lines[1], lines
+    rc,out,err = run([PY, script, tmp_path, '3'], timeout=120, env={'FULL_AFTER': '1000'})
+    assert rc == 0 and f'AutoResume: continuing from {models}/autoresume-0001.pth' in out and 'DONE' in out, (rc, out[-2000:], err[-2000:])
