@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_cli.ipynb #664fdeba
 from __future__ import annotations
-import argparse, datetime, hashlib, json, sys, time, warnings
+import argparse, datetime, hashlib, json, os, signal, sys, time, warnings
 from pathlib import Path
 import torch
 from torch import nn
@@ -272,17 +272,22 @@ def _ls(a)->int:
     return 0
 
 # %% ../nbs/04_cli.ipynb #af71e1e5
-def _demo(a)->int:
-    # printed by importing fastai, not ours to act on
+def _quiet_imports():
+    "Import fastai and `AutoResume`, without the warning fastai's import prints (not ours to act on)"
     warnings.filterwarnings('ignore', r'`torch\.jit\.script` is deprecated', FutureWarning)
-    from fastai.callback.core import Callback
+    torch.set_num_threads(1)
     from resumable_train.autoresume import AutoResume
+    return AutoResume
+
+def _walkthrough(a)->int:
+    "`demo --no-kill`: one run, paced for a Ctrl-C by hand"
+    AutoResume = _quiet_imports()
+    from fastai.callback.core import Callback
     class _Pause(Callback):
         "Wait `secs` after each training batch"
         def __init__(self, secs:float): self.secs = secs
         def after_batch(self):
             if self.training and self.secs: time.sleep(self.secs)
-    torch.set_num_threads(1)
     learn = digits_learner(a.dir.absolute(), cbs=[AutoResume(), _Pause(a.pause)])
     epochs = f"{a.epochs} epoch{'s'*(a.epochs != 1)}"
     print(f"Training a small CNN on scikit-learn's digits for {epochs}, with resume points in "
@@ -294,8 +299,59 @@ def _demo(a)->int:
         if not learn.auto_resume.stopped: raise
         return 130
     print(f"accuracy {learn.recorder.values[-1][-1]:.4f}, weights {weights_digest(learn.model)} "
-          "(an uninterrupted run ends with the same digest)")
+          "(`resumable-train demo` without --no-kill checks it against an uninterrupted run)")
     return 0
+
+# %% ../nbs/04_cli.ipynb #80205147
+def _train(folder:Path, epochs:int, kill_at:int|None=None, table:bool=True):
+    "A process of the self-check: train the demo in `folder` (SIGKILL itself after batch `kill_at`), write its weights' digest"
+    AutoResume = _quiet_imports()
+    from fastai.callback.core import Callback
+    class _Kill(Callback):
+        "SIGKILL this process once `n` batches are trained"
+        def __init__(self, n): self.n = n
+        def after_batch(self):
+            if self.training and self.train_iter == self.n: sys.stdout.flush(); os.kill(os.getpid(), signal.SIGKILL)
+    learn = digits_learner(folder, cbs=[AutoResume(), *([_Kill(kill_at)] if kill_at else [])])
+    if table: learn.fit_one_cycle(epochs, 3e-2)
+    else:
+        with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, 3e-2)
+    (folder/'digest').write_text(weights_digest(learn.model))
+
+def _in_child(f, *args)->int:
+    "Run `f(*args)` in a child process, forked where the system can; its exit status (`-9`: killed by SIGKILL)"
+    import multiprocessing as mp
+    sys.stdout.flush(); sys.stderr.flush()
+    ctx = mp.get_context('fork' if 'fork' in mp.get_all_start_methods() else 'spawn')
+    p = ctx.Process(target=f, args=args)
+    p.start(); p.join()
+    return p.exitcode
+
+def _demo(a)->int:
+    "`demo`: killed by SIGKILL at a random batch, run again, compared with an uninterrupted run"
+    if a.no_kill: return _walkthrough(a)
+    import random, shutil
+    _quiet_imports()
+    killed,ref = (a.dir/'killed').absolute(),(a.dir/'uninterrupted').absolute()
+    for d in (killed, ref): shutil.rmtree(d, ignore_errors=True)  # the check starts afresh
+    n_iter = len(digits_learner(killed).dls.train)
+    total = a.epochs*n_iter
+    kill_at = random.randint(n_iter+1 if a.epochs > 1 else 1, total-1)  # after the first resume point, if there are two epochs
+    ep,it = divmod(kill_at-1, n_iter)
+    print(f"Training a small CNN on scikit-learn's digits for {a.epochs} epoch{'s'*(a.epochs != 1)} ({total} batches), "
+          f"with resume points in {killed/'models'}; it kills itself with SIGKILL after batch {kill_at} "
+          f"(epoch {ep+1}/{a.epochs}, batch {it+1}/{n_iter}).")
+    rc = _in_child(_train, killed, a.epochs, kill_at)
+    if rc != -signal.SIGKILL: return _err(f"the run to be killed ended with exit status {rc}")
+    print(f"Killed by SIGKILL after batch {kill_at}. The same training again, as a rerun of the killed script:")
+    if rc := _in_child(_train, killed, a.epochs): return _err(f"the rerun ended with exit status {rc}")
+    print(f"An uninterrupted run of the same demo, in {ref}, to compare with:")
+    if rc := _in_child(_train, ref, a.epochs, None, False): return _err(f"the uninterrupted run ended with exit status {rc}")
+    got,want = (killed/'digest').read_text(),(ref/'digest').read_text()
+    same = got == want
+    print(f"same weights as an uninterrupted run: {'yes' if same else 'no'} (digest {got}"
+          + ('' if same else f", uninterrupted {want}") + ')')
+    return 0 if same else 1
 
 # %% ../nbs/04_cli.ipynb #b83d867b
 def _plot(a)->int:
@@ -331,8 +387,10 @@ def _parser():
     s.add_argument('--dir', type=Path, default=Path('resumable-train-demo'),
                    help="where the run keeps its checkpoints (default: %(default)s)")
     s.add_argument('--epochs', type=int, default=5, help="epochs to train (default: %(default)s)")
+    s.add_argument('--no-kill', action='store_true',
+                   help="train once, paced for you to press Ctrl-C and run it again, instead of the self-check")
     s.add_argument('--pause', type=float, default=0.05,
-                   help="seconds to wait after each batch, to leave time for Ctrl-C (default: %(default)s)")
+                   help="with --no-kill: seconds to wait after each batch, to leave time for Ctrl-C (default: %(default)s)")
     s.set_defaults(f=_demo)
     return p
 
