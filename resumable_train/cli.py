@@ -224,7 +224,7 @@ def _inspect(a)->int:
 def _runs(store)->dict:
     "The story of each run whose run log is in `store`, by its `fname`: its events and their summary"
     names = sorted(e.name.removesuffix('.runlog') for e in store.ls() if e.name.endswith('.runlog'))
-    return {n: dict(events=(ev := read_runlog(store, n, strict=True)), summary=run_summary(ev)) for n in names}
+    return {n: dict(events=(ev := read_runlog(store, n)), summary=run_summary(ev)) for n in names}
 
 # %% ../nbs/04_cli.ipynb #e1c788ea
 def _folder(d):

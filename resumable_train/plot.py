@@ -10,7 +10,7 @@ from .store import as_store
 from .runlog import read_runlog
 
 # %% auto #0
-__all__ = ['STOP_COLOR', 'RESUME_COLOR', 'plot_data', 'draw_run', 'plot_run']
+__all__ = ['STOP_COLOR', 'RESUME_COLOR', 'plot_data', 'plot_run']
 
 # %% ../nbs/04a_plot.ipynb #0fc788e9
 def _points(store, fname:str)->list:
@@ -41,7 +41,7 @@ def plot_data(where, # a folder, an fsspec URL or a store
     store = as_store(where)
     name,rec = _newest(store, fname)
     fit,rs = rec['fit_index'],rec['callbacks']['recorder']
-    events = [e for e in read_runlog(store, fname, strict=True) if e.get('fit') == fit and 'train_iter' in e]
+    events = [e for e in read_runlog(store, fname) if e.get('fit') == fit and 'train_iter' in e]
     return dict(point=name, fit=fit, losses=_floats(rs['losses']), lrs=_floats(rs['lrs']), epochs=list(rs['iters']),
                 names=list(rec.get('metric_names') or [])[1:], values=[[_value(v) for v in r[1:]] for r in rs['values']],
                 stops=[e['train_iter'] for e in events if e['event'] in ('killed', 'stopped')],
@@ -50,7 +50,7 @@ def plot_data(where, # a folder, an fsspec URL or a store
 # %% ../nbs/04a_plot.ipynb #2850f58a
 STOP_COLOR,RESUME_COLOR = '#e00000','#d000d0'  # the lines of the interruptions and of the resumes
 
-def draw_run(d:dict, # what `plot_data` gives
+def _draw(d:dict, # what `plot_data` gives
              title:str='', # above the plot
              figsize:tuple=(10, 5), # inches, at 100 dots per inch
             ): # a matplotlib `Figure`
@@ -84,8 +84,8 @@ def plot_run(where, # a folder, an fsspec URL or a store
              title:str|None=None, # above the plot (by default the run's folder)
              figsize:tuple=(10, 5), # inches, at 100 dots per inch
             ): # a matplotlib `Figure`
-    "Plot the run in `where` (see `draw_run`), and write it to `out`"
+    "Plot the run in `where` (see `_draw`), and write it to `out`"
     d = plot_data(where, fname)
-    fig = draw_run(d, title if title is not None else f"{as_store(where).url} (fit call {d['fit']+1})", figsize)
+    fig = _draw(d, title if title is not None else f"{as_store(where).url} (fit call {d['fit']+1})", figsize)
     if out is not None: fig.savefig(out)
     return fig

@@ -87,11 +87,10 @@ def _events(data:bytes, name:str|None=None)->list:
 
 def read_runlog(where, # a folder, an fsspec URL or a store
                 fname:str='autoresume', # the name `AutoResume` was given
-                strict:bool=False, # raise a `ValueError` naming the file and line where a line is wrong (else leave it out)
                )->list:
-    "The events of the run `fname` in `where`, oldest first (`[]` if it has no run log)"
+    "The events of the run `fname` in `where`, oldest first (`[]` if it has no run log); `ValueError` naming a wrong line"
     store = as_store(where)
-    return _events(_read(store, runlog_name(fname)), f"{store.url}/{runlog_name(fname)}" if strict else None)
+    return _events(_read(store, runlog_name(fname)), f"{store.url}/{runlog_name(fname)}")
 
 # %% ../nbs/00g_runlog.ipynb #1e2de49a
 _TRAINING = ('started', 'resumed')  # the events after which a process trains
