@@ -25,8 +25,8 @@ done
 # the start; `later`: tests that mostly wait, once the notebooks are done; every other test file in one process from the start.
 # Then the lowest fastai that pyproject.toml admits (2.8.8): its training loop is the one the package checks at import, and of the
 # applications' code only fastai.tabular differs from 2.8.12, so the tabular and collab kill-and-rerun tests run again on it
-# (2.8.8's own vision does not run with this torchvision, with or without the package). The README's install command puts it beside the
-# venv's packages, not installed; the suite installs nothing, and says so when it is missing.
+# (2.8.8's own vision does not run with this torchvision, with or without the package). The README's test command puts it beside the
+# venv's packages, not installed; the suite itself installs nothing, and says so when it is missing.
 low=$(python -c 'import sys; print(sys.prefix)')/fastai-2.8.8
 [ -d "$low/fastai" ] ||
   echo "== skipped: the tests on fastai 2.8.8 ($low is missing; make it with: pip install --no-deps --target $low fastai==2.8.8)"
