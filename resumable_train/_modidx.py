@@ -60,6 +60,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                      'resumable_train.cli._err': ('cli.html#_err', 'resumable_train/cli.py'),
                                      'resumable_train.cli._fmt': ('cli.html#_fmt', 'resumable_train/cli.py'),
                                      'resumable_train.cli._folder': ('cli.html#_folder', 'resumable_train/cli.py'),
+                                     'resumable_train.cli._from1': ('cli.html#_from1', 'resumable_train/cli.py'),
                                      'resumable_train.cli._history': ('cli.html#_history', 'resumable_train/cli.py'),
                                      'resumable_train.cli._in_child': ('cli.html#_in_child', 'resumable_train/cli.py'),
                                      'resumable_train.cli._inspect': ('cli.html#_inspect', 'resumable_train/cli.py'),

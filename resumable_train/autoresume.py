@@ -120,8 +120,8 @@ class AutoResume(Callback):
         self.stop_signals,self.runlog = self._new_stop_signals(),None
         self.resumed_iter,self.resumed_from = None,None  # the `train_iter` this fit call resumed at, and where from
 
-    # `learn.export` pickles the callbacks: the handlers and the run log stay with this process
-    def __getstate__(self): return dict(self.__dict__, stop_signals=None, runlog=None)
+    # `learn.export` pickles the callbacks: the handlers, the run log and the held output stay with this process
+    def __getstate__(self): return dict(self.__dict__, stop_signals=None, runlog=None, held=None)
     learn = property(lambda self: self.__dict__.get('_learn'), _set_learn)
 
     @property

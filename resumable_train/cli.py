@@ -188,7 +188,7 @@ def _err(msg)->int:
 
 _NUMBERING = ("as the text: position.epoch counts from 1 (the epoch being trained: at an epoch's end, that epoch with "
               "position.batch = n_iter), position.batch is how many of its batches were trained, metrics.epoch (the last "
-              "epoch with values) and fit_call count from 1")
+              "epoch with values), fit_call, and the fit and epoch of a run's events count from 1")
 
 def _history(a)->int:
     "`inspect` of a history log, which the resume points next to it refer to"
@@ -226,6 +226,10 @@ def _runs(store)->dict:
     names = sorted(e.name.removesuffix('.runlog') for e in store.ls() if e.name.endswith('.runlog'))
     return {n: dict(events=(ev := read_runlog(store, n)), summary=run_summary(ev)) for n in names}
 
+def _from1(e:dict)->dict:
+    "A run log's event numbered as the text numbers it: fit calls and epochs from 1 (the log counts them from 0)"
+    return {**e, **{k: e[k]+1 for k in ('fit', 'epoch') if isinstance(e.get(k), int)}}
+
 # %% ../nbs/04_cli.ipynb #e1c788ea
 def _folder(d):
     "`d`, or `d/models` when only that holds checkpoints (the folder of a `Learner`'s `path`)"
@@ -258,7 +262,8 @@ def _ls(a)->int:
         info = info or dict(file=str(f), size=e.size, modified=e.modified, error=where)
         found.append(dict(name=e.name, status=status, **info))
     if a.json:
-        print(json.dumps(dict(folder=store.url, checkpoints=found, numbering=_NUMBERING, runs=runs), indent=1))
+        print(json.dumps(dict(folder=store.url, checkpoints=found, numbering=_NUMBERING,
+                              runs={n: dict(r, events=[_from1(e) for e in r['events']]) for n,r in runs.items()}), indent=1))
         return 0
     if not entries:
         print(f"no checkpoints (*.pth) in {store.url}")
@@ -343,7 +348,7 @@ def _demo(a)->int:
           f"(epoch {ep+1}/{a.epochs}, batch {it+1}/{n_iter}).")
     rc = _in_child(_train, killed, a.epochs, kill_at)
     if rc != -signal.SIGKILL: return _err(f"the run to be killed ended with exit status {rc}")
-    print(f"Killed by SIGKILL after batch {kill_at}. The same training again, as a rerun of the killed script:")
+    print(f"\nKilled by SIGKILL after batch {kill_at}. The same training again, as a rerun of the killed script:")
     if rc := _in_child(_train, killed, a.epochs): return _err(f"the rerun ended with exit status {rc}")
     print(f"An uninterrupted run of the same demo, in {ref}, to compare with:")
     if rc := _in_child(_train, ref, a.epochs, None, False): return _err(f"the uninterrupted run ended with exit status {rc}")
