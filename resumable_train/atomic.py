@@ -4,7 +4,7 @@
 
 # %% ../nbs/00f_atomic.ipynb #37bc553f
 from __future__ import annotations
-import ctypes, os, secrets, sys
+import ctypes, errno, os, secrets, sys
 from pathlib import Path
 
 # %% auto #0
@@ -51,14 +51,17 @@ class WriteCancelled(Exception):
 # %% ../nbs/00f_atomic.ipynb #7c46cac3
 _CHUNK = 1<<24  # bytes written between two looks at `cancel`
 
-class _Cancellable:
-    "The file `f`, written in chunks; between two chunks, `WriteCancelled` once the event `cancel` is set"
-    def __init__(self, f, cancel): self.f,self.cancel = f,cancel
+class _Watched:
+    "The file `f`, written in chunks; between two chunks, `WriteCancelled` once the event `cancel` is set; the error a write met"
+    def __init__(self, f, cancel=None): self.f,self.cancel,self.error = f,cancel,None
     def write(self, b):
         mv = memoryview(b).cast('B')
-        for i in range(0, max(len(mv), 1), _CHUNK):
-            if self.cancel.is_set(): raise WriteCancelled(f"the write of {self.f.name} was abandoned")
-            self.f.write(mv[i:i+_CHUNK])
+        try:
+            for i in range(0, max(len(mv), 1), _CHUNK):
+                if self.cancel is not None and self.cancel.is_set():
+                    raise WriteCancelled(f"the write of {self.f.name} was abandoned")
+                self.f.write(mv[i:i+_CHUNK])
+        except BaseException as e: self.error = e; raise
         return len(mv)
     def __getattr__(self, k): return getattr(self.f, k)
 
@@ -69,7 +72,12 @@ def write_atomic(file, write, durable:bool=True,
     try:
         tmp,fd = _new_tmp(file)
         with os.fdopen(fd, 'wb') as f:
-            write(f if cancel is None else _Cancellable(f, cancel))
+            w = _Watched(f, cancel)
+            try: write(w)
+            # `torch.save` turns the error of a write into its own ("unexpected pos"): raise what happened instead
+            except Exception as e:
+                if w.error is None or w.error is e: raise
+                raise w.error from None
             f.flush()
             if durable: os.fsync(f.fileno())
         # swapped: no flush that ext4 starts when a rename replaces a file
@@ -78,7 +86,7 @@ def write_atomic(file, write, durable:bool=True,
         if tmp is not None: tmp.unlink(missing_ok=True)
         if not isinstance(e, OSError): raise
         left = "the previous file is intact" if file.exists() else "nothing was written"
+        if e.errno == errno.ENOSPC: raise OSError(e.errno, f"no space left on {file.parent} to write {file.name}; {left}") from e
         raise OSError(e.errno, f"Could not write {file}: {e.strerror or e}; {left}") from e
     if durable: fsync(file.parent)
     return file
-

@@ -4,7 +4,7 @@
 
 # %% ../nbs/02c_autoresume.ipynb #784552e6
 from __future__ import annotations
-import signal, time, warnings
+import errno, signal, time, warnings
 from copy import copy
 from functools import partial
 import torch
@@ -133,6 +133,11 @@ class AutoResume(Callback):
         if not (isinstance(keep, int) and keep >= 1):
             raise ValueError(f"AutoResume(keep={keep!r}): keep at least 1 resume point; with none, a stopped run could "
                              "not continue")
+        if not (isinstance(fname, str) and fname == Path(fname).name and fname not in ('', '.', '..') and '\0' not in fname):
+            name,folder = Path(str(fname)).name or 'autoresume',Path(str(fname)).parent
+            raise ValueError(f"AutoResume(fname={fname!r}): fname starts the resume points' file names ({name}-0001.pth, "
+                             f"...), so it holds no folder; give the folder as dir: AutoResume(fname={name!r}, "
+                             f"dir={str(folder)!r})")
         store_attr('fname,every_iter,every_secs,keep,background,signals,verbose,strict_hypers,wait,elastic,dir,'
                    'stop_wait,fresh_callbacks,replay')
         self.writer = Writer(background)
@@ -443,8 +448,12 @@ class AutoResume(Callback):
     def _write(self, ck, name, start=None):
         "Write the resume point `ck` as `name`, and start the history log it could not append to"
         if isinstance(ck, Pending): ck = ck.to_host()  # a device snapshot: its copy to the host ends here
-        self.store.save(ck, name, cancel=self.writer.cancel)
-        if start: start()
+        try:
+            self.store.save(ck, name, cancel=self.writer.cancel)
+            if start: start()
+        except OSError as e:
+            if e.errno != errno.ENOSPC: raise
+            raise OSError(e.errno, f"{e.strerror}; {self._kept()} once there is room") from None
         # written and durable: where a rerun continues
         self.last_point = (self.store.where(name), _describe(resume_record(ck)))
 

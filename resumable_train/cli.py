@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_cli.ipynb #664fdeba
 from __future__ import annotations
-import argparse, datetime, hashlib, json, sys, time, warnings
+import argparse, datetime, hashlib, json, os, signal, sys, time, warnings
 from pathlib import Path
 import torch
 from torch import nn
@@ -57,7 +57,8 @@ def _metrics(rec):
     row = [_num(v) for v in vals[-1]] if vals else []
     names = list(rec.get('metric_names') or [])[:len(row)]
     names += ['train_loss', 'valid_loss', *[f'metric_{i}' for i in range(len(row))]][len(names):len(row)]
-    return dict(epoch=len(vals)-1 if vals else None, values=dict(zip(names, row)),
+    return dict(epoch=len(vals) if vals else None,  # numbered from 1, as the text
+                values=dict(zip(names, row)),
                 loss=_num(losses[-1]) if losses else None, lr=_num(lrs[-1]) if lrs else None)
 
 def _kind(state):
@@ -99,6 +100,8 @@ def checkpoint_info(file)->dict:
         # numbered from 1, as the text and the progress bar
         pos = dict(epoch=rec['epoch']+1, batch=rec['iter'], n_epoch=setup.get('n_epoch'), n_iter=setup.get('n_iter'),
                    train_iter=rec.get('train_iter'), pct_train=rec.get('pct_train'))
+        # at an epoch's end: that epoch's last batch, never the first of an epoch past the last (`7` of 6)
+        if rec['iter'] == 0 and rec['epoch'] > 0 and pos['n_iter']: pos.update(epoch=rec['epoch'], batch=pos['n_iter'])
     w = _world(rec)
     fit = rec.get('fit_index')
     return dict(info, resume=True, version=rec.get('version'), position=pos, fit_call=None if fit is None else fit+1,
@@ -106,6 +109,10 @@ def checkpoint_info(file)->dict:
                 metrics=_metrics(rec), meta={k:_num(v) for k,v in (rec.get('meta') or {}).items()})
 
 # %% ../nbs/04_cli.ipynb #f7e3b7b7
+def _plain(s)->str:
+    "`s` as one line with its control characters escaped: text read from a file cannot move the cursor or colour the terminal"
+    return ''.join(c if c.isprintable() else c.encode('unicode_escape').decode() for c in str(s))
+
 def _when(t): return datetime.datetime.fromtimestamp(t).strftime('%Y-%m-%d %H:%M:%S')
 
 def _bytes(n):
@@ -115,6 +122,7 @@ def _bytes(n):
 
 def _pos(p):
     "A resume point's position numbered as fastai's progress bar numbers it: epochs from 1, batches done so far"
+    if p['batch'] == p['n_iter']: return f"after epoch {p['epoch']}/{p['n_epoch']}"
     if p['batch'] == 0:
         return f"after epoch {p['epoch']-1}/{p['n_epoch']}" if p['epoch'] > 1 else f"start of epoch 1/{p['n_epoch']}"
     return f"epoch {p['epoch']}/{p['n_epoch']}, after batch {p['batch']}/{p['n_iter']}"
@@ -162,7 +170,7 @@ def _table(info)->str:
         rows.append(('fit call', f"{info['fit_call']} (the script's fit calls counted from 1)"))
     if m['values']:
         values = ', '.join(f"{k} {_fmt(v)}" for k,v in m['values'].items())
-        rows.append(('last epoch', f"epoch {m['epoch']+1}: {values}"))
+        rows.append(('last epoch', f"epoch {m['epoch']}: {values}"))
     if m['loss'] is not None: rows.append(('last batch', f"smoothed loss {_fmt(m['loss'])}, lr {_fmt(m['lr'])}"))
     meta = info['meta']
     if meta: rows.append(('written', ' '.join(filter(None, [_when(meta['time']) if 'time' in meta else None, 'with',
@@ -171,15 +179,16 @@ def _table(info)->str:
 
 def _rows(rows):
     w = max(len(k) for k,_ in rows)
-    return '\n'.join(f"{k:<{w}}  {v}" for k,v in rows)
+    return '\n'.join(f"{k:<{w}}  {_plain(v)}" for k,v in rows)
 
 # %% ../nbs/04_cli.ipynb #5dc8f556
 def _err(msg)->int:
-    print(f"resumable-train: {msg}", file=sys.stderr)
+    print(f"resumable-train: {_plain(msg)}", file=sys.stderr)
     return 2
 
-_NUMBERING = ("as the text: position.epoch counts from 1 (the epoch the next batch belongs to), position.batch is how "
-              "many of its batches were trained, fit_call counts from 1")
+_NUMBERING = ("as the text: position.epoch counts from 1 (the epoch being trained: at an epoch's end, that epoch with "
+              "position.batch = n_iter), position.batch is how many of its batches were trained, metrics.epoch (the last "
+              "epoch with values), fit_call, and the fit and epoch of a run's events count from 1")
 
 def _history(a)->int:
     "`inspect` of a history log, which the resume points next to it refer to"
@@ -217,6 +226,10 @@ def _runs(store)->dict:
     names = sorted(e.name.removesuffix('.runlog') for e in store.ls() if e.name.endswith('.runlog'))
     return {n: dict(events=(ev := read_runlog(store, n)), summary=run_summary(ev)) for n in names}
 
+def _from1(e:dict)->dict:
+    "A run log's event numbered as the text numbers it: fit calls and epochs from 1 (the log counts them from 0)"
+    return {**e, **{k: e[k]+1 for k in ('fit', 'epoch') if isinstance(e.get(k), int)}}
+
 # %% ../nbs/04_cli.ipynb #e1c788ea
 def _folder(d):
     "`d`, or `d/models` when only that holds checkpoints (the folder of a `Learner`'s `path`)"
@@ -234,7 +247,8 @@ def _ls(a)->int:
         store = _store(a.dir)
         pths = (e for e in store.ls() if e.name.endswith('.pth'))
         entries = sorted(pths, key=lambda e: (e.modified or 0, e.name), reverse=True)
-    except StoreError as e:
+        runs = _runs(store)
+    except (StoreError, ValueError) as e:
         if not a.json: return _err(e)
         print(json.dumps(dict(folder=str(a.dir), error=str(e)), indent=1))
         return 2
@@ -244,11 +258,12 @@ def _ls(a)->int:
         try: info = checkpoint_info(f); status,where = 'valid',_where(info)
         except CheckpointError as err:
             info,status,where = None,'invalid' if e.complete else 'incomplete',str(err).removeprefix(str(f)).strip()
-        rows.append((_when(e.modified or 0), _bytes(e.size), status, where, e.name))
+        rows.append((_when(e.modified or 0), _bytes(e.size), status, _plain(where), _plain(e.name)))
         info = info or dict(file=str(f), size=e.size, modified=e.modified, error=where)
         found.append(dict(name=e.name, status=status, **info))
     if a.json:
-        print(json.dumps(dict(folder=store.url, checkpoints=found, numbering=_NUMBERING, runs=_runs(store)), indent=1))
+        print(json.dumps(dict(folder=store.url, checkpoints=found, numbering=_NUMBERING,
+                              runs={n: dict(r, events=[_from1(e) for e in r['events']]) for n,r in runs.items()}), indent=1))
         return 0
     if not entries:
         print(f"no checkpoints (*.pth) in {store.url}")
@@ -256,24 +271,30 @@ def _ls(a)->int:
     ws = [max(len(r[i]) for r in rows) for i in range(4)]
     print(f"{store.url}:")
     for r in rows: print('  '.join(f"{c:<{w}}" for c,w in zip(r, ws)) + '  ' + r[4])
-    for fname,run in _runs(store).items():
-        print(f"\nrun {fname} ({fname}.runlog):\n  " + '\n  '.join(timeline(run['events'])))
+    for fname,run in runs.items():
+        print(f"\nrun {_plain(fname)} ({_plain(fname)}.runlog):")
+        print('\n'.join('  ' + _plain(l) for l in timeline(run['events'])))
     return 0
 
 # %% ../nbs/04_cli.ipynb #af71e1e5
-def _demo(a)->int:
-    # printed by importing fastai, not ours to act on
+def _quiet_imports():
+    "Import fastai and `AutoResume`, without the warning fastai's import prints (not ours to act on)"
     warnings.filterwarnings('ignore', r'`torch\.jit\.script` is deprecated', FutureWarning)
-    from fastai.callback.core import Callback
+    torch.set_num_threads(1)
     from resumable_train.autoresume import AutoResume
+    return AutoResume
+
+def _walkthrough(a)->int:
+    "`demo --no-kill`: one run, paced for a Ctrl-C by hand"
+    AutoResume = _quiet_imports()
     from resumable_train.fitcalls import say_finished, forget_runs
     forget_runs()  # each demo command is a script of its own, also when `main` runs twice in one process
+    from fastai.callback.core import Callback
     class _Pause(Callback):
         "Wait `secs` after each training batch"
         def __init__(self, secs:float): self.secs = secs
         def after_batch(self):
             if self.training and self.secs: time.sleep(self.secs)
-    torch.set_num_threads(1)
     learn = digits_learner(a.dir.absolute(), cbs=[AutoResume(), _Pause(a.pause)])
     epochs = f"{a.epochs} epoch{'s'*(a.epochs != 1)}"
     print(f"Training a small CNN on scikit-learn's digits for {epochs}, with resume points in "
@@ -286,22 +307,75 @@ def _demo(a)->int:
         return 130
     say_finished()  # the demo's only fit call was its last
     print(f"accuracy {learn.recorder.values[-1][-1]:.4f}, weights {weights_digest(learn.model)} "
-          "(an uninterrupted run ends with the same digest)")
+          "(`resumable-train demo` without --no-kill checks it against an uninterrupted run)")
     return 0
+
+# %% ../nbs/04_cli.ipynb #80205147
+def _train(folder:Path, epochs:int, kill_at:int|None=None, table:bool=True):
+    "A process of the self-check: train the demo in `folder` (SIGKILL itself after batch `kill_at`), write its weights' digest"
+    AutoResume = _quiet_imports()
+    from resumable_train.fitcalls import forget_runs
+    forget_runs()  # a new process's: the parent's runs are not this script's
+    from fastai.callback.core import Callback
+    class _Kill(Callback):
+        "SIGKILL this process once `n` batches are trained"
+        def __init__(self, n): self.n = n
+        def after_batch(self):
+            if self.training and self.train_iter == self.n: sys.stdout.flush(); os.kill(os.getpid(), signal.SIGKILL)
+    learn = digits_learner(folder, cbs=[AutoResume(), *([_Kill(kill_at)] if kill_at else [])])
+    if table: learn.fit_one_cycle(epochs, 3e-2)
+    else:
+        with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, 3e-2)
+    (folder/'digest').write_text(weights_digest(learn.model))
+
+def _in_child(f, *args)->int:
+    "Run `f(*args)` in a child process, forked where the system can; its exit status (`-9`: killed by SIGKILL)"
+    import multiprocessing as mp
+    sys.stdout.flush(); sys.stderr.flush()
+    ctx = mp.get_context('fork' if 'fork' in mp.get_all_start_methods() else 'spawn')
+    p = ctx.Process(target=f, args=args)
+    p.start(); p.join()
+    return p.exitcode
+
+def _demo(a)->int:
+    "`demo`: killed by SIGKILL at a random batch, run again, compared with an uninterrupted run"
+    if a.no_kill: return _walkthrough(a)
+    import random, shutil
+    _quiet_imports()
+    killed,ref = (a.dir/'killed').absolute(),(a.dir/'uninterrupted').absolute()
+    for d in (killed, ref): shutil.rmtree(d, ignore_errors=True)  # the check starts afresh
+    n_iter = len(digits_learner(killed).dls.train)
+    total = a.epochs*n_iter
+    kill_at = random.randint(n_iter+1 if a.epochs > 1 else 1, total-1)  # after the first resume point, if there are two epochs
+    ep,it = divmod(kill_at-1, n_iter)
+    print(f"Training a small CNN on scikit-learn's digits for {a.epochs} epoch{'s'*(a.epochs != 1)} ({total} batches), "
+          f"with resume points in {killed/'models'}; it kills itself with SIGKILL after batch {kill_at} "
+          f"(epoch {ep+1}/{a.epochs}, batch {it+1}/{n_iter}).")
+    rc = _in_child(_train, killed, a.epochs, kill_at)
+    if rc != -signal.SIGKILL: return _err(f"the run to be killed ended with exit status {rc}")
+    print(f"\nKilled by SIGKILL after batch {kill_at}. The same training again, as a rerun of the killed script:")
+    if rc := _in_child(_train, killed, a.epochs): return _err(f"the rerun ended with exit status {rc}")
+    print(f"An uninterrupted run of the same demo, in {ref}, to compare with:")
+    if rc := _in_child(_train, ref, a.epochs, None, False): return _err(f"the uninterrupted run ended with exit status {rc}")
+    got,want = (killed/'digest').read_text(),(ref/'digest').read_text()
+    same = got == want
+    print(f"same weights as an uninterrupted run: {'yes' if same else 'no'} (digest {got}"
+          + ('' if same else f", uninterrupted {want}") + ')')
+    return 0 if same else 1
 
 # %% ../nbs/04_cli.ipynb #b83d867b
 def _plot(a)->int:
     "`plot`: matplotlib is imported here, not when the command starts"
     from resumable_train.plot import plot_run
     try: plot_run(_store(a.dir), a.out, fname=a.fname)
-    except (CheckpointError, StoreError) as e: return _err(e)
+    except (CheckpointError, StoreError, ValueError) as e: return _err(e)
     print(f"wrote {a.out}")
     return 0
 
 # %% ../nbs/04_cli.ipynb #232f2cc6
 def _parser():
     p = argparse.ArgumentParser(prog='resumable-train',
-                                description="Exact resume for fastai training: look inside checkpoints, run the demo")
+                                description="Exact resume for fastai training: look inside checkpoints, list and plot runs, run the demo")
     p.add_argument('--version', action='version', version=f"resumable-train {__version__}")
     sub = p.add_subparsers(dest='cmd', required=True, metavar='{inspect,ls,plot,demo}')
     s = sub.add_parser('inspect', help="what a checkpoint holds")
@@ -309,22 +383,24 @@ def _parser():
                                 "(s3://bucket/run1/autoresume-0003.pth)")
     s.add_argument('--json', action='store_true', help="print JSON, for scripts")
     s.set_defaults(f=_inspect)
-    s = sub.add_parser('ls', help="the checkpoints in a folder, newest first")
+    s = sub.add_parser('ls', help="a folder's checkpoints and runs")
     s.add_argument('dir', help="a folder of .pth files (or a Learner's path, whose models/ holds them), "
                                "or a URL (s3://bucket/run1)")
     s.add_argument('--json', action='store_true', help="print JSON, for scripts")
     s.set_defaults(f=_ls)
-    s = sub.add_parser('plot', help="draw a run: loss per batch, metrics per epoch, learning rate, interruptions")
+    s = sub.add_parser('plot', help="draw a run's loss, metrics and interruptions")
     s.add_argument('dir', help="as for ls: a folder of resume points, a Learner's path, or a URL")
     s.add_argument('-o', '--out', default='run.png', help="the PNG file to write (default: %(default)s)")
     s.add_argument('--fname', default='autoresume', help="the name AutoResume was given (default: %(default)s)")
     s.set_defaults(f=_plot)
-    s = sub.add_parser('demo', help="train a small CNN on digits with AutoResume; Ctrl-C it, rerun it, it resumes")
+    s = sub.add_parser('demo', help="kill a small run, resume it, check its weights")
     s.add_argument('--dir', type=Path, default=Path('resumable-train-demo'),
                    help="where the run keeps its checkpoints (default: %(default)s)")
     s.add_argument('--epochs', type=int, default=5, help="epochs to train (default: %(default)s)")
+    s.add_argument('--no-kill', action='store_true',
+                   help="train once, paced for you to press Ctrl-C and run it again, instead of the self-check")
     s.add_argument('--pause', type=float, default=0.05,
-                   help="seconds to wait after each batch, to leave time for Ctrl-C (default: %(default)s)")
+                   help="with --no-kill: seconds to wait after each batch, to leave time for Ctrl-C (default: %(default)s)")
     s.set_defaults(f=_demo)
     return p
 

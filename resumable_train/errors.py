@@ -27,13 +27,16 @@ def is_refusal(e:BaseException)->bool:
 
 def refusal_text(e:BaseException)->str:
     "The message of `e`, without the line fastai puts before it about the callback event it was raised in"
-    return _FASTAI.sub('', str(e.args[0]))
+    # an `OSError(errno, text)`: fastai's line replaced its args, keeping the errno alone; its text is still there
+    if isinstance(e, OSError) and e.strerror: return e.strerror + (f": {e.filename}" if e.filename else '')
+    return _FASTAI.sub('', e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e))
 
 # %% ../nbs/00c_errors.ipynb #a94a4db2
 def _hook(kind, e, tb, then):
-    if is_refusal(e) and not os.environ.get(DEBUG_VAR):
-        print(f"{refusal_text(e)}\n({DEBUG_VAR}=1 shows where it was raised)", file=sys.stderr)
-    else: then(kind, e, tb)
+    if not is_refusal(e) or os.environ.get(DEBUG_VAR): return then(kind, e, tb)
+    # a stop by a signal said its one line where it stopped, on stdout: Ctrl-C's `KeyboardInterrupt` adds nothing to it
+    if isinstance(e, KeyboardInterrupt): return
+    print(f"{refusal_text(e)}\n({DEBUG_VAR}=1 shows where it was raised)", file=sys.stderr)
 
 def short_refusals():
     "End a script on a refusal or stop of the package with its message alone (`RESUMABLE_TRAIN_DEBUG=1`: the traceback)"

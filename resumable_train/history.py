@@ -4,7 +4,7 @@
 
 # %% ../nbs/00e_history.ipynb #ec81cd25
 from __future__ import annotations
-import hashlib, json, math
+import hashlib, json, math, os
 from pathlib import Path
 import numpy as np, torch
 from .records import LOG_MAGIC, check_ref
@@ -78,15 +78,34 @@ def append_history(path, packed:dict, owner)->dict|None:
     return lg.ref()
 
 # %% ../nbs/00e_history.ipynb #6561b0bc
+def _short(o)->str:
+    "`o` as JSON, at most 60 characters, control characters escaped"
+    s = json.dumps(o)
+    return s if len(s) <= 60 else s[:57] + '...'
+
+def _header(head:bytes)->list:
+    "The columns `(name, form, dtype, shape)` of a log's header line `head`; `ValueError` saying what is wrong"
+    try: cols = json.loads(head)
+    except ValueError: raise ValueError("has a header that is not a history log's (not JSON)") from None
+    if not isinstance(cols, list) or not cols: raise ValueError(f"has a header without columns ({_short(cols)})")
+    kinds = []
+    for i,c in enumerate(cols, 1):
+        ok = (isinstance(c, list) and len(c) == 4 and isinstance(c[0], str) and c[1] in ('stack', 'float64')
+              and isinstance(c[2], str) and isinstance(c[3], list)
+              and all(type(s) is int and 0 <= s < 2**31 for s in c[3]))
+        if not ok: raise ValueError(f"has a malformed column {i} in its header: {_short(c)} (a column is "
+                                    "[name, 'stack' or 'float64', dtype, shape])")
+        dt = getattr(torch, c[2], None)
+        if not isinstance(dt, torch.dtype): raise ValueError(f"has a column {_short(c[0])} of no dtype torch knows: {_short(c[2])}")
+        kinds.append((c[0], c[1], dt, c[3]))
+    if not sum(dt.itemsize*math.prod(shape) for _,_,dt,shape in kinds):
+        raise ValueError("has a header whose rows are 0 bytes wide (every column's shape holds a 0)")
+    return kinds
+
 def _parse_log(data:bytes, n:int)->tuple:
     "The header and the histories of the log bytes `data` of `n` rows"
     head,_,rows = data[len(LOG_MAGIC):].partition(b'\n')
-    try:
-        cols = json.loads(head)
-        kinds = [(k, f, getattr(torch, dt), [int(s) for s in shape]) for k,f,dt,shape in cols]
-        if not all(isinstance(dt, torch.dtype) and f in ('stack', 'float64') for _,f,dt,_ in kinds):
-            raise ValueError(head)
-    except Exception: raise ValueError("has a header that is not a history log's") from None
+    kinds,cols = _header(head),json.loads(head)
     widths = [dt.itemsize*math.prod(shape) for _,_,dt,shape in kinds]
     if not data.startswith(LOG_MAGIC) or len(rows) != n*sum(widths):
         raise ValueError(f"does not hold {n:,} rows of {sum(widths)} bytes")
@@ -139,12 +158,16 @@ def adopt_history(ref:dict, # the `history` reference of a record `read_checkpoi
     _logs[str(lg.path)] = lg
 
 # %% ../nbs/00e_history.ipynb #1165be37
+_MAX_HEADER = 1 << 20  # bytes: a header longer than this is not one a log's columns make
+
 def history_log_info(file)->dict:
-    "The columns and the number of rows of the history log `file`; `ValueError` if it is not one"
-    data = Path(file).read_bytes()
-    head,_,rows = data[len(LOG_MAGIC):].partition(b'\n')
-    try: cols = json.loads(head) if data.startswith(LOG_MAGIC) else None
-    except ValueError: cols = None
-    if not isinstance(cols, list): raise ValueError("is not a history log (it does not start with a log's header)")
-    n,rest = divmod(len(rows), sum(getattr(torch, dt).itemsize*math.prod(shape) for _,_,dt,shape in cols))
-    return dict(columns=[c[0] for c in cols], rows=n, partial_bytes=rest)
+    "The columns and the number of rows of the history log `file`, read from its header and size; `ValueError` if not one"
+    with open(file, 'rb') as f:
+        head = f.read(len(LOG_MAGIC))
+        line = f.readline(_MAX_HEADER)
+        size = os.fstat(f.fileno()).st_size
+    if head != LOG_MAGIC: raise ValueError("is not a history log (it does not start with a log's header)")
+    if not line.endswith(b'\n'): raise ValueError(f"has no end to its header in its first {_MAX_HEADER:,} bytes")
+    kinds = _header(line[:-1])
+    n,rest = divmod(size - len(head) - len(line), sum(dt.itemsize*math.prod(shape) for _,_,dt,shape in kinds))
+    return dict(columns=[k for k,*_ in kinds], rows=n, partial_bytes=rest)

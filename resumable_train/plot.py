@@ -32,6 +32,8 @@ def _floats(h)->list:
     if isinstance(h, dict): h = next(iter(h.values()))
     return [float(v) for v in h]
 
+def _value(v)->float: return float('nan') if v is None else float(v)  # `None`: no validation set, nothing to draw
+
 def plot_data(where, # a folder, an fsspec URL or a store
               fname:str='autoresume', # the name `AutoResume` was given
              )->dict:
@@ -41,35 +43,49 @@ def plot_data(where, # a folder, an fsspec URL or a store
     fit,rs = rec['fit_index'],rec['callbacks']['recorder']
     events = [e for e in read_runlog(store, fname) if e.get('fit') == fit and 'train_iter' in e]
     return dict(point=name, fit=fit, losses=_floats(rs['losses']), lrs=_floats(rs['lrs']), epochs=list(rs['iters']),
-                names=list(rec.get('metric_names') or [])[1:], values=[[float(v) for v in r[1:]] for r in rs['values']],
+                names=list(rec.get('metric_names') or [])[1:], values=[[_value(v) for v in r[1:]] for r in rs['values']],
                 stops=[e['train_iter'] for e in events if e['event'] in ('killed', 'stopped')],
                 resumes=[e['train_iter'] for e in events if e['event'] == 'resumed'])
 
 # %% ../nbs/04a_plot.ipynb #2850f58a
 STOP_COLOR,RESUME_COLOR = '#e00000','#d000d0'  # the lines of the interruptions and of the resumes
 
+def _draw(d:dict, # what `plot_data` gives
+             title:str='', # above the plot
+             figsize:tuple=(10, 5), # inches, at 100 dots per inch
+            ): # a matplotlib `Figure`
+    "Draw `d`: training loss per batch, validation values per epoch, learning rate; its interruptions and resumes"
+    from matplotlib.figure import Figure  # not when the package or the command starts
+    fig = Figure(figsize=figsize, dpi=100)
+    ax = fig.subplots()
+    ax.plot(range(1, len(d['losses'])+1), d['losses'], color='tab:blue', label='train_loss (smoothed)')
+    for i,n in enumerate(d['names']):
+        ys = [r[i] for r in d['values']]
+        if all(y != y for y in ys): continue  # never measured (no validation set)
+        ax.plot(d['epochs'][:len(d['values'])], ys, 'o-', color=f'C{i+1}', label=n)
+    # a stop and a resume at one batch (a signal's stop, then its rerun): the resume's wide solid line, the stop's dashes on it
+    for i,x in enumerate(d['resumes']):
+        ax.axvline(x, color=RESUME_COLOR, lw=5, zorder=3, label='resumed' if i == 0 else None)
+    for i,x in enumerate(d['stops']):
+        ax.axvline(x, color=STOP_COLOR, ls=(0, (4, 4)), lw=2, zorder=4, label=None if i else 'interrupted')
+    ax.set_xlabel('batches trained'); ax.set_ylabel('loss, metrics')
+    lr = ax.twinx()
+    lr.plot(range(1, len(d['lrs'])+1), d['lrs'], color='grey', lw=1)
+    lr.set_ylabel('learning rate', color='grey')
+    ax.legend(loc='upper right')
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+# %% ../nbs/04a_plot.ipynb #3f1e0c9a
 def plot_run(where, # a folder, an fsspec URL or a store
              out=None, # a PNG file to write
              fname:str='autoresume', # the name `AutoResume` was given
              title:str|None=None, # above the plot (by default the run's folder)
              figsize:tuple=(10, 5), # inches, at 100 dots per inch
             ): # a matplotlib `Figure`
-    "Plot the run in `where`: training loss per batch, validation values per epoch, learning rate; its interruptions"
-    from matplotlib.figure import Figure  # not when the package or the command starts
+    "Plot the run in `where` (see `_draw`), and write it to `out`"
     d = plot_data(where, fname)
-    fig = Figure(figsize=figsize, dpi=100)
-    ax = fig.subplots()
-    ax.plot(range(1, len(d['losses'])+1), d['losses'], color='tab:blue', label='train_loss (smoothed)')
-    for i,n in enumerate(d['names']):
-        ax.plot(d['epochs'][:len(d['values'])], [r[i] for r in d['values']], 'o-', color=f'C{i+1}', label=n)
-    for i,x in enumerate(d['stops']): ax.axvline(x, color=STOP_COLOR, ls='--', lw=2, label=None if i else 'interrupted')
-    for i,x in enumerate(d['resumes']): ax.axvline(x, color=RESUME_COLOR, lw=1.5, label='resumed' if i == 0 else None)
-    ax.set_xlabel('batches trained'); ax.set_ylabel('loss, metrics')
-    lr = ax.twinx()
-    lr.plot(range(1, len(d['lrs'])+1), d['lrs'], color='grey', lw=1)
-    lr.set_ylabel('learning rate', color='grey')
-    ax.legend(loc='upper right')
-    ax.set_title(title if title is not None else f"{as_store(where).url} (fit call {d['fit']+1})")
-    fig.tight_layout()
+    fig = _draw(d, title if title is not None else f"{as_store(where).url} (fit call {d['fit']+1})", figsize)
     if out is not None: fig.savefig(out)
     return fig

@@ -49,20 +49,48 @@ def write_text(store, name:str, text:str):
     tmp.write_text(text)
     os.replace(tmp, d/name)
 
-def _events(data:bytes)->list:
-    "The events in the bytes of a run log, leaving out a line cut short by a kill"
+# each event's fields and their kinds: i an int, n a number, t a time, s a text, b a bool; `?` may be missing or null
+_POS = 'fit:i epoch:i iter:i train_iter:i'
+_FIELDS = {'started': f'{_POS} n_epoch:i n_iter:i? twice:i? lost_s:n', 'resumed': f'{_POS} point:s n_epoch:i n_iter:i? twice:i? lost_s:n',
+           'stopped': f'{_POS} signal:s saved:b', 'killed': '', 'killed at': f'{_POS} reached:t',
+           'finished': 'fit:i train_iter:i', 'ended': 'why:s'}
+_KINDS = {'i': lambda v: type(v) is int and v >= 0, 'n': lambda v: type(v) in (int, float) and 0 <= v < 1e12,
+          't': lambda v: type(v) in (int, float) and 0 <= v < 3e10, 's': lambda v: isinstance(v, str),
+          'b': lambda v: isinstance(v, bool)}
+
+def _wrong(e)->str|None:
+    "What is wrong with the event `e` read from a run log, in words; `None` if nothing"
+    if not isinstance(e, dict) or not isinstance(e.get('event'), str): return "is not an event (a JSON object with an 'event')"
+    kind = 'killed at' if e['event'] == 'killed' and 'train_iter' in e else e['event']
+    # an event of a later version: its time is enough to list it
+    for f in ['time:t', *_FIELDS.get(kind, '').split()]:
+        k,t = f.split(':')
+        if t.endswith('?') and e.get(k) is None: continue
+        if k not in e: return f"has a {e['event']!r} event without its {k!r}"
+        if not _KINDS[t[0]](e[k]): return f"has a {e['event']!r} event whose {k!r} is {json.dumps(e[k])[:40]}"
+
+_TORN = b'{"event": "'  # how a line cut short by a kill starts: `RunLog.add` writes it from its start
+
+def _events(data:bytes, name:str|None=None)->list:
+    "The events in the bytes of a run log, leaving out a line cut short by a kill; with `name`, a wrong line raises"
     out = []
-    for line in data.split(b'\n'):
+    for i,line in enumerate(data.split(b'\n'), 1):
+        if not line.strip(): continue
         try: e = json.loads(line)
-        except ValueError: continue
-        if isinstance(e, dict) and isinstance(e.get('event'), str): out.append(e)
+        except ValueError:
+            if line.startswith(_TORN) or name is None: continue
+            raise ValueError(f"{name} line {i} is not JSON ({line[:40]!r})") from None
+        why = _wrong(e)
+        if why is None: out.append(e)
+        elif name is not None: raise ValueError(f"{name} line {i} {why}")
     return out
 
 def read_runlog(where, # a folder, an fsspec URL or a store
                 fname:str='autoresume', # the name `AutoResume` was given
                )->list:
-    "The events of the run `fname` in `where`, oldest first (`[]` if it has no run log)"
-    return _events(_read(as_store(where), runlog_name(fname)))
+    "The events of the run `fname` in `where`, oldest first (`[]` if it has no run log); `ValueError` naming a wrong line"
+    store = as_store(where)
+    return _events(_read(store, runlog_name(fname)), f"{store.url}/{runlog_name(fname)}")
 
 # %% ../nbs/00g_runlog.ipynb #1e2de49a
 _TRAINING = ('started', 'resumed')  # the events after which a process trains
@@ -197,7 +225,7 @@ def run_summary(events:list)->dict:
 
 def timeline(events:list)->list:
     "The events as lines of text, with a summary last"
-    size = {e['fit']: dict(n_epoch=e['n_epoch'], n_iter=e['n_iter']) for e in events if 'n_epoch' in e}
+    size = {e['fit']: dict(n_epoch=e['n_epoch'], n_iter=e['n_iter']) for e in events if e['event'] in _TRAINING}
     out = [f"{_stamp(e.get('reached', e['time']))}  {_line(e, size)}" for e in events]
     s = run_summary(events)
     twice = 'an unknown number of batches' if s['twice'] is None else f"{s['twice']} batches"

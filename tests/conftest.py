@@ -1,6 +1,14 @@
 "Fixtures shared by the process-level tests"
+import re
 import pytest, torch
 from forked import Forker
+from helpers import LIBRARY_WARNINGS, quiet_library_warnings
+
+quiet_library_warnings()  # the processes the tests start
+
+def pytest_configure(config):
+    "pytest's own filters for `LIBRARY_WARNINGS` (it puts its filters back around collection and each test)"
+    for msg,cat,_ in LIBRARY_WARNINGS: config.addinivalue_line('filterwarnings', f'ignore:{re.escape(msg)}:{cat}')
 
 @pytest.fixture(scope='session')
 def forker():

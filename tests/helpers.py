@@ -1,11 +1,25 @@
-"Shared utilities for the process-level tests: bounded subprocesses and bitwise comparison of saved results"
-import os, signal, subprocess, sys
+"Shared utilities for the process-level tests: bounded subprocesses, bitwise comparison of saved results, library warnings filtered"
+import builtins, os, re, signal, subprocess, sys, warnings
 from pathlib import Path
 import torch
 
 PY = sys.executable
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
+
+# Warnings of installed libraries that the package's own code does not cause, filtered once, here: in pytest (conftest.py), in the
+# notebook runner (notebooks.py) and, through PYTHONWARNINGS, in every process they start. (message prefix, category, why)
+LIBRARY_WARNINGS = [
+    ('`torch.jit.script` is deprecated', 'FutureWarning', "fastai's import scripts functions with it; torch deprecates it"),
+    ("The 'mode.chained_assignment' option is deprecated", 'Warning',
+     "fastai.tabular sets a pandas option that pandas 3 deprecates (a Pandas4Warning)"),
+]
+
+def quiet_library_warnings():
+    "Filter `LIBRARY_WARNINGS` in this process and, through PYTHONWARNINGS, in the processes it starts"
+    for msg,cat,_ in LIBRARY_WARNINGS: warnings.filterwarnings('ignore', re.escape(msg), getattr(builtins, cat))
+    opts = [f'ignore:{msg}:{cat}' for msg,cat,_ in LIBRARY_WARNINGS]  # a message prefix, without ':' or ','
+    os.environ['PYTHONWARNINGS'] = ','.join(filter(None, [os.environ.get('PYTHONWARNINGS'), *opts]))
 
 def test_env(env=None):
     "The environment for a test subprocess: one thread per op, the repo importable, no progress bars"

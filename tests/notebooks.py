@@ -169,8 +169,8 @@ def main():
         os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], dict(os.environ, PYTHONHASHSEED='0', OMP_NUM_THREADS='1'))
     nbs = [n.resolve() for n in a.notebooks] or (ROOT/'nbs').glob('*.ipynb')
     os.chdir(ROOT)
-    import warnings
-    warnings.filterwarnings('ignore', message='`torch.jit.script` is deprecated')  # fastai's import, not the notebooks' concern
+    from helpers import quiet_library_warnings
+    quiet_library_warnings()  # installed libraries' warnings that the package does not cause, as in pytest
     import nbdev.test, IPython, torch, pandas, matplotlib.pyplot, PIL.Image, fastcore.all, fastprogress.fastprogress  # once, for the forks
     todo,running,failed = sorted(nbs, key=lambda n: -n.stat().st_size),{},0  # the longest first
     while todo or running:

@@ -25,21 +25,29 @@ done
 # the start; `later`: tests that mostly wait, once the notebooks are done; every other test file in one process from the start.
 # Then the lowest fastai that pyproject.toml admits (2.8.8): its training loop is the one the package checks at import, and of the
 # applications' code only fastai.tabular differs from 2.8.12, so the tabular and collab kill-and-rerun tests run again on it
-# (2.8.8's own vision does not run with this torchvision, with or without the package). The README's install command puts it beside the
-# venv's packages, not installed; the suite installs nothing, and says so when it is missing.
+# (2.8.8's own vision does not run with this torchvision, with or without the package). The README's test command puts it beside the
+# venv's packages, not installed; the suite itself installs nothing, and says so when it is missing.
 low=$(python -c 'import sys; print(sys.prefix)')/fastai-2.8.8
 [ -d "$low/fastai" ] ||
   echo "== skipped: the tests on fastai 2.8.8 ($low is missing; make it with: pip install --no-deps --target $low fastai==2.8.8)"
+# Each pytest block says when it starts and when it ends, with its counts, as it happens; a failed block's whole log is shown at the end.
+block() {  # block N WHAT ARGS...: pytest ARGS in one process
+  local n=$1 what=$2 t0=$(date +%s) rc=0; shift 2
+  echo "== pytest $n ($what): started"
+  python -m pytest -q -rs -p no:cacheprovider --basetemp="$logs/tmp$n" "$@" >"$logs/pytest$n.log" 2>&1 || rc=$?
+  echo "== pytest $n ($what): $(tail -n 1 "$logs/pytest$n.log" | tr -d '=' | sed 's/^ *//') ($(( $(date +%s)-t0 ))s in all)"
+  echo $rc >"$logs/rc$n"
+  return $rc
+}
 lowest() {
   [ -d "$low/fastai" ] || return 0
-  echo "== the same tests on fastai $(PYTHONPATH="$low:$PYTHONPATH" python -c 'import fastai; print(fastai.__version__)')"
-  PYTHONPATH="$low:$PYTHONPATH" python -m pytest -q -rs -p no:cacheprovider tests/test_apps.py -k 'tabular or collab'
+  local v=$(PYTHONPATH="$low:$PYTHONPATH" python -c 'import fastai; print(fastai.__version__)')
+  PYTHONPATH="$low:$PYTHONPATH" block 4 "the tabular and collab tests again, on fastai $v" tests/test_apps.py -k 'tabular or collab'
 }
-pytest() { n=$1; shift; python -m pytest -q -rs -p no:cacheprovider --basetemp="$logs/tmp$n" "$@" >"$logs/pytest$n.log" 2>&1; }
 apart=(tests/test_multinode.py tests/test_distributed.py tests/test_elastic.py)
 later=(tests/test_remote.py tests/test_cli.py tests/test_group_signal.py)
-pytest 1 "${apart[@]}" & pytest1_pid=$!
-{ pytest 2 tests "${apart[@]/#/--ignore=}" "${later[@]/#/--ignore=}" && lowest >>"$logs/pytest2.log" 2>&1; } & pytest2_pid=$!
+block 1 "torchrun and process groups" "${apart[@]}" & pytest1_pid=$!
+{ block 2 "the other test files" tests "${apart[@]/#/--ignore=}" "${later[@]/#/--ignore=}" && lowest; } & pytest2_pid=$!
 # The docs: what nbdev-proc-nbs does (the sidebar, each notebook processed for Quarto, show_doc run on every export), without its step
 # that downloads Quarto and installs it with sudo where it is missing (the suite installs nothing; if nbdev renames that step, this fails
 # with a KeyError instead of installing). Rendering the pages (nbdev-docs) needs Quarto and is not part of the suite.
@@ -48,9 +56,9 @@ proc_nbs='import nbdev.quarto as q; vars(q)["_ensure_quarto"]; q._ensure_quarto 
 python -c "$proc_nbs" >"$logs/proc.log" 2>&1 || { cat "$logs/proc.log"; echo "FAIL: nbdev-proc-nbs: the docs do not build"; exit 1; }
 echo "== notebooks: tests, and outputs current"
 nb_rc=0; python tests/notebooks.py || nb_rc=$?
-echo "== process-level tests"
-py_rc=0; pytest 3 "${later[@]}" || py_rc=$?; wait $pytest1_pid || py_rc=$?; wait $pytest2_pid || py_rc=$?
-cat "$logs/pytest1.log" "$logs/pytest2.log" "$logs/pytest3.log"
+py_rc=0; block 3 "tests that mostly wait: remote, cli, group signals" "${later[@]}" || py_rc=$?
+wait $pytest1_pid || py_rc=$?; wait $pytest2_pid || py_rc=$?
+for n in 1 2 3 4; do [ "$(cat "$logs/rc$n" 2>/dev/null || echo 0)" = 0 ] || { echo "== pytest $n failed:"; cat "$logs/pytest$n.log"; }; done
 echo "== $(( $(date +%s)-start ))s"
 [ $nb_rc = 0 ] || { echo "FAIL: notebooks"; exit 1; }
 [ $py_rc = 0 ] || { echo "FAIL: process-level tests"; exit 1; }

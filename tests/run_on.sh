@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite on another python: `bash tests/run_on.sh python3.10` (any interpreter: a name on PATH or a path). The first time,
-# it makes a venv for that python's version in .venvs/ as the README's install command makes .venv (the package and its dev extra,
+# it makes a venv for that python's version in .venvs/ as the README's test command makes .venv (the package and its dev extra,
 # fastai 2.8.8 beside them); then it runs tests/run.sh in it. Delete .venvs/pyX.Y to make it again (after a change to the dependencies).
 set -euo pipefail
 cd "$(dirname "$0")/.."

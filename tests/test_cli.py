@@ -18,8 +18,8 @@ def runs(tmp_path_factory, forker):
     tmp = tmp_path_factory.mktemp('cli')
     assert Path(CMD).exists(), f"{CMD} is not installed: pip install -e ."
     fk = forker
-    ref = fk.start(CMD, 'demo', '--dir', tmp/'ref', '--epochs', '2', '--pause', '0')
-    cut = fk.start(CMD, 'demo', '--dir', tmp/'cut', '--epochs', '2')
+    ref = fk.start(CMD, 'demo', '--no-kill', '--dir', tmp/'ref', '--epochs', '2', '--pause', '0')
+    cut = fk.start(CMD, 'demo', '--no-kill', '--dir', tmp/'cut', '--epochs', '2')
     seen,deadline = [],time.monotonic() + 90
     for line in cut.stdout:  # the bar, drawn into the pipe too: wait until a batch of the second epoch has trained
         seen.append(line)
@@ -29,8 +29,8 @@ def runs(tmp_path_factory, forker):
     newest = sorted((tmp/'cut'/'models').glob('autoresume-*.pth'))[-1]
     saved = torch.load(newest, weights_only=True)['opt']['resume']
     (tmp/'stopped.pth').write_bytes(newest.read_bytes())  # the resume point SIGINT saved, before the rerun prunes it
-    rerun = fk.run(CMD, 'demo', '--dir', tmp/'cut', '--epochs', '2', timeout=90)
-    again = fk.run(CMD, 'demo', '--dir', tmp/'ref', '--epochs', '2', timeout=90)
+    rerun = fk.run(CMD, 'demo', '--no-kill', '--dir', tmp/'cut', '--epochs', '2', timeout=90)
+    again = fk.run(CMD, 'demo', '--no-kill', '--dir', tmp/'ref', '--epochs', '2', timeout=90)
     return dict(tmp=tmp, saved=saved, rerun=rerun, again=again, **res)
 
 def test_demo_resumes_after_sigint(runs):
@@ -140,3 +140,59 @@ def test_installed(files):
     "The installed command answers from a fresh process (its time against `torch.load` alone is measured in `benchmarks/cli.py`)"
     rc,out,err = run([CMD, 'inspect', str(files/'resume.pth')], timeout=60)
     assert rc == 0 and 'epoch 2/2' in out and err == '', (rc, out, err)
+
+BIG = textwrap.dedent('''
+    import resource, sys
+    from resumable_train.cli import main
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rc = main(['inspect', sys.argv[1]])
+    print(rc, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)//1024)  # kB to MB (Linux)
+''')
+
+@pytest.mark.skipif(sys.platform != 'linux', reason="ru_maxrss is in kB on Linux")
+def test_huge_history_log(tmp_path):
+    "`inspect` of a 3 GB history log (a sparse file) reads its header and size: its peak memory grows by less than 200 MB"
+    from resumable_train.records import LOG_MAGIC
+    head = LOG_MAGIC + b'[["recorder/losses", "stack", "float32", []]]\n'
+    f = tmp_path/'big.history'
+    with open(f, 'wb') as o: o.write(head); o.truncate(3*10**9)
+    rc,out,err = run([PY, '-c', BIG, str(f)], timeout=120)
+    check_rc((rc, out, err), 'inspect of a 3 GB history log')
+    status,grown = map(int, out.split()[-2:])
+    assert status == 0 and f"{(3*10**9 - len(head))//4:,} rows" in out, out
+    assert grown < 200, f"peak memory grew by {grown} MB"
+
+# The packages of the `dev` extra (pyproject.toml), which a user's `pip install .` does not install
+DEV = ('nbdev', 'pytest', 'moto', 's3fs', 'accelerate', 'torchdata', 'datasets', 'tensorboard', 'wandb')
+SELF_CHECK = textwrap.dedent('''
+    import sys
+    DEV = %r
+    class NoDev:
+        "A user's install: importing a package of the dev extra fails"
+        def find_spec(self, name, path=None, target=None):
+            if name.split('.')[0] in DEV: raise ImportError(f"{name} belongs to the dev extra")
+    sys.meta_path.insert(0, NoDev())
+    if sys.argv[2] == 'lose-opt-state':  # resume broken: the optimizer state a resume point holds is lost when it is loaded
+        import resumable_train.learner
+        from fastai.learner import Learner
+        load = Learner.load
+        def lossy(self, *args, **kwargs):
+            load(self, *args, **kwargs)
+            self.opt.clear_state()
+            return self
+        Learner.load = lossy
+    from resumable_train.cli import main
+    sys.exit(main(['demo', '--dir', sys.argv[1], '--epochs', '3']))
+''') % (DEV,)
+
+@pytest.mark.parametrize('resume', ['exact', 'lose-opt-state'])
+def test_demo_self_check(tmp_path, resume):
+    """`demo` kills its run with SIGKILL, reruns it and compares it with an uninterrupted run: `yes` and exit 0, without any package
+    of the dev extra; `no` and exit 1 when resuming loses the optimizer state"""
+    rc,out,err = run([PY, '-c', SELF_CHECK, str(tmp_path), resume], timeout=240)
+    assert 'it kills itself with SIGKILL after batch' in out and 'Killed by SIGKILL after batch' in out, (rc, out[-3000:], err[-3000:])
+    assert 'AutoResume: continuing from' in out, out[-3000:]  # killed after the first epoch's resume point
+    if resume == 'exact':
+        assert rc == 0 and re.search(r'same weights as an uninterrupted run: yes \(digest [0-9a-f]{12}\)\n', out), (rc, out[-3000:], err[-3000:])
+    else:
+        assert rc == 1 and re.search(r'same weights as an uninterrupted run: no \(digest [0-9a-f]{12}, uninterrupted [0-9a-f]{12}\)', out), (rc, out[-3000:], err[-3000:])

@@ -1,8 +1,8 @@
 """The README says what the code and the notebooks have: its API table (every signature the real one, no public name missing), index's
-sections word for word, and links that go somewhere."""
-import ast, difflib, importlib, inspect, json, re
+sections word for word, links that go somewhere, and a Quick start that, killed and run again, ends with the digest it states."""
+import ast, difflib, importlib, inspect, json, os, platform, re, signal, struct, time
 import pytest
-from helpers import ROOT
+from helpers import PY, ROOT, start, finish, run
 import resumable_train.all  # noqa: F401 (patches Learner)
 from fastai.learner import Learner
 import fastai.callback.schedule  # noqa: F401 (fit_one_cycle & co.)
@@ -123,3 +123,32 @@ def test_links():
         if nb.name not in ('index.ipynb', '09_all.ipynb'): assert nb.name in linked, f"index's notebook table does not list {nb.name}"
     for text in (readme, _index_md()):
         assert not re.search(r'github\.com/resumable-train|resumable-train\.github\.io', text), "a link to a repository or site that does not exist"
+
+def _quick_start()->tuple:
+    "The README's Quick start: its code, and the digests it says the script ends with (uninterrupted, and killed and run again)"
+    text = (ROOT/'README.md').read_text()
+    part = text[text.index('\n## Quick start\n'):]
+    part = part[:part.index('\n## ', 1)]
+    return re.search(r'```python\n(.*?)```', part, re.S).group(1),re.findall(r'\nweights ([0-9a-f]{12})\n', part)
+
+@pytest.mark.skipif(platform.machine() not in ('x86_64', 'AMD64'), reason="the digest the README states is that of AVX2's kernels")
+def test_quick_start(tmp_path):
+    "The README's Quick start as written, in a fresh process SIGKILLed after its first resume point, then run again: the digest it states"
+    code,digests = _quick_start()
+    assert len(digests) == 2 and digests[0] == digests[1], digests
+    (tmp_path/'train.py').write_text(code)
+    env = dict(OMP_NUM_THREADS='1', ATEN_CPU_CAPABILITY='avx2')  # the settings the README states its numbers with
+    p = start([PY, 'train.py'], env=env, cwd=tmp_path)
+    reach,trained,deadline = tmp_path/'runs'/'quickstart'/'models'/'autoresume.reach',0,time.monotonic() + 120
+    try:
+        while p.poll() is None and time.monotonic() < deadline:  # the reach mark: the batches trained so far
+            b = reach.read_bytes()[:40] if reach.exists() else b''
+            trained = struct.unpack('<qqqqd', b)[3] if len(b) == 40 else 0
+            if trained > 20: break  # past its first resume point (every_iter=20)
+            time.sleep(0.001)
+        os.kill(p.pid, signal.SIGKILL)
+    finally: rc,out,err = finish(p, 30)
+    assert rc == -signal.SIGKILL and 'weights' not in out, (rc, trained, out[-2000:], err[-2000:])
+    rc,out,err = run([PY, 'train.py'], timeout=120, env=env, cwd=tmp_path)
+    assert rc == 0 and 'AutoResume: continuing from runs/quickstart/models/autoresume-' in out, (rc, out[-2000:], err[-2000:])
+    assert re.findall(r'weights ([0-9a-f]{12})', out) == digests[:1], out[-2000:]

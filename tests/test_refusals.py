@@ -1,6 +1,7 @@
 """What a user sees when the package refuses or stops a script: its message and the fix in a few lines, no traceback through fastai;
 `RESUMABLE_TRAIN_DEBUG=1` brings the traceback back. Real `python` processes: the forked children of other tests print their own."""
 import os, signal, time
+import pytest
 from helpers import PY, TESTS, start, finish, kill_group, run
 
 SCRIPT = str(TESTS/'refusal_script.py')
@@ -22,18 +23,21 @@ def test_refusal_is_its_message(tmp_path):
     rc,out,err = run([PY, SCRIPT, tmp_path, '2'], timeout=120, env={'RESUMABLE_TRAIN_DEBUG': '1'})
     assert rc == 1 and 'Traceback' in err and 'holds resume points of a different run' in err, err[-3000:]
 
-def test_ctrl_c_is_its_message(tmp_path):
-    "Ctrl-C: the stop's message, no traceback, the exit status of Ctrl-C"
+@pytest.mark.parametrize('sig', ['SIGINT', 'SIGTERM', 'SIGUSR1'])
+def test_stop_is_one_line(tmp_path, sig):
+    "Every stop signal: one line on stdout saying where it stopped and what a rerun does; nothing on stderr, no hint, no traceback"
     p = start([PY, SCRIPT, tmp_path, '3'])
     deadline = time.monotonic() + 120
     for line in p.stdout:
         if line.startswith('BATCH 3') or time.monotonic() > deadline: break
-    os.kill(p.pid, signal.SIGINT)
+    os.kill(p.pid, getattr(signal, sig))
     rc,out,err = finish(p, 60)
-    lines = short(err)
-    assert rc == -signal.SIGINT, (rc, err[-3000:])
-    assert 'Traceback' not in err and len(lines) <= 3, err[-3000:]
-    assert lines[0].startswith('AutoResume: stopped by Ctrl-C') and 'resume point saved' in lines[0], lines
+    said = [l for l in out.splitlines() if not l.startswith('BATCH')]
+    # Ctrl-C ends as Python ends on it (killed by SIGINT); the others with 128 + the signal's number
+    assert rc == (-signal.SIGINT if sig == 'SIGINT' else 128 + getattr(signal, sig)), (rc, err[-3000:])
+    assert short(err) == [], err[-3000:]
+    assert len(said) == 1 and said[0].startswith(f'AutoResume: stopped by {sig} at epoch') and 'resume point saved' in said[0], said
+    assert 'run the same command again to continue' in said[0] and 'RESUMABLE_TRAIN_DEBUG' not in out + err
 
 def test_locked_folder_is_its_message(tmp_path):
     "A second launch on the folder of a running one: refused in a few lines naming the process and the options, exit 1"
@@ -56,3 +60,17 @@ def test_misspelled_keyword_refused(tmp_path):
             f"learn = synth_learner(path={str(tmp_path)!r})\nlearn.save('mid')\nlearn.load('mid', with_itr=False)\nprint('LOADED')")
     rc,out,err = run([PY, '-c', code], timeout=120)
     assert rc == 1 and 'LOADED' not in out and "unexpected keyword argument 'with_itr'" in err, (rc, err[-2000:])
+
+def test_full_disk_is_its_message(tmp_path):
+    """A disk that fills up at the second resume point: one message (no space left on the folder, what was kept, what a rerun does),
+    no torch text; the rerun, with room again, continues from the kept resume point"""
+    script = str(TESTS/'full_disk_script.py')
+    rc,out,err = run([PY, script, tmp_path, '3'], timeout=120, env={'FULL_AFTER': '3'})  # the first epoch's point and log are written
+    lines = short(err)
+    assert rc == 1 and 'DONE' not in out and 'Traceback' not in err and 'enforce fail' not in err, (rc, err[-3000:])
+    models = tmp_path/'models'
+    assert lines[0] == (f"no space left on {models} to write autoresume-0002.pth; nothing was written; a rerun continues from "
+                        f"{models}/autoresume-0001.pth (end of epoch 1/3) once there is room"), lines
+    assert len(lines) == 2 and 'RESUMABLE_TRAIN_DEBUG=1' in lines[1], lines
+    rc,out,err = run([PY, script, tmp_path, '3'], timeout=120, env={'FULL_AFTER': '1000'})
+    assert rc == 0 and f'AutoResume: continuing from {models}/autoresume-0001.pth' in out and 'DONE' in out, (rc, out[-2000:], err[-2000:])
