@@ -714,6 +714,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                        'resumable_train.state._tracker_state': ('state.html#_tracker_state', 'resumable_train/state.py'),
                                        'resumable_train.state._unpacked': ('state.html#_unpacked', 'resumable_train/state.py'),
                                        'resumable_train.state._vars_state': ('state.html#_vars_state', 'resumable_train/state.py'),
+                                       'resumable_train.state.callback_keys': ('state.html#callback_keys', 'resumable_train/state.py'),
                                        'resumable_train.state.callback_states': ('state.html#callback_states', 'resumable_train/state.py'),
                                        'resumable_train.state.dl_rng_state': ('state.html#dl_rng_state', 'resumable_train/state.py'),
                                        'resumable_train.state.dl_states': ('state.html#dl_states', 'resumable_train/state.py'),

@@ -382,7 +382,7 @@ class AutoResume(Callback):
         if after:  # callbacks of call `i` alone (its `ParamScheduler`) are gone; those new in this call start afresh
             asked = self.learn.resume.asked  # and the optimizer has the hyperparameters this fit call set
             for k in (asked[0] if asked else []): self.learn.opt.set_hyper(k, [h[k] for h in asked])
-            now = set(callback_states(self.learn))
+            now = set(callback_keys(self.learn))
             rec = dict(rec, callbacks={k:v for k,v in rec['callbacks'].items() if k in now})
         fresh = list(self.fresh_callbacks) + (sorted(set(now) - set(rec['callbacks'])) if after else [])
         restore_streams(self.learn, rec, fresh=fresh)

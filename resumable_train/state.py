@@ -14,8 +14,8 @@ from .history import unpack
 
 # %% auto #0
 __all__ = ['to_plain', 'rng_state', 'set_rng_state', 'dl_rng_state', 'set_dl_rng_state', 'register_state', 'has_state',
-           'state_of', 'restore_state', 'History', 'callback_states', 'load_callback_states', 'dl_states',
-           'load_dl_states', 'module_states', 'load_module_states']
+           'state_of', 'restore_state', 'History', 'callback_keys', 'callback_states', 'load_callback_states',
+           'dl_states', 'load_dl_states', 'module_states', 'load_module_states']
 
 # %% ../nbs/00_state.ipynb #45ebe4e0
 def to_plain(o, copy:bool=False): # copy tensors to host memory, detached from training
@@ -273,6 +273,10 @@ def _keyed_callbacks(learn)->dict:
                              "rename one of the two classes")
         res[key] = cb
     return res
+
+def callback_keys(learn)->list:
+    "The keys under which `callback_states` keeps the states of `learn`'s callbacks"
+    return list(_keyed_callbacks(learn))
 
 def callback_states(learn)->dict:
     "The state of each callback of `learn` that keeps one, by a stable key"
