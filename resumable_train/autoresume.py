@@ -23,7 +23,7 @@ from .loaders import *
 from .hooks import hide_probes, hide_progress, refuse_fastai_ddp
 from .collectives import *
 from .collectives import read_on_rank0
-from .plans import run_setup, setup_diff, fit_plan, plan_changes
+from .plans import run_setup, setup_diff, fit_plan, check_plan
 from .snapshot import *
 from .snapshot import restore_streams, restore_grads, fit_position
 from .seeding import SeedBatches
@@ -394,14 +394,8 @@ class AutoResume(Callback):
 
     def _hypers_changed(self, saved, plan, file, then):
         "Warn, or with `strict_hypers` refuse, when this fit call was asked for other hyperparameters than `file`'s"
-        ch = plan_changes(saved, plan)
-        if not ch: return
-        msg = (f"AutoResume: fit call {self.fit_index+1} was asked for other hyperparameters than {file} was written "
-               f"with ({'; '.join(ch)})")
-        if self.strict_hypers:
-            raise CheckpointError(f"{msg}. To continue it, undo the change; to start fresh, delete "
-                                  f"{self.folder}/{self.fname}-*.pth or give AutoResume another fname")
-        warnings.warn(f"{msg}; {then} (strict_hypers=True refuses)")
+        check_plan(saved, plan, file, self.strict_hypers, who=f"AutoResume: fit call {self.fit_index+1}", then=then,
+                   fresh=f"delete {self.folder}/{self.fname}-*.pth or give AutoResume another fname")
 
     # ---- writing
     def _save(self, end:bool=False, # the end of the fit call, which the ledger keeps

@@ -12,15 +12,12 @@ from .files import *
 from .store import *
 from .collectives import *
 from .collectives import group_device
+from .records import checkpoint_number
 
 # %% auto #0
 __all__ = ['list_checkpoints', 'newest_valid']
 
 # %% ../nbs/02_checkpoints.ipynb #f205a76b
-def checkpoint_number(name, fname):
-    m = re.fullmatch(rf'{re.escape(fname)}-(\d+)\.pth', name)
-    return int(m.group(1)) if m else None
-
 def file_name(file)->str: return str(file).rpartition('/')[2]
 
 def entries(store, fname)->list:

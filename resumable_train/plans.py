@@ -166,12 +166,13 @@ def asked_hypers(saved:dict|None, asked:list)->dict:
     return {(g,k): a[k] for g,(s,a) in enumerate(zip(saved['hypers'], asked)) for k in s
             if k in a and not _same(s[k], _number(a[k]))}
 
-def check_plan(saved, now, file, strict=False):
-    "Warn, or with `strict` refuse, when the fit call continuing `file` was asked for other hyperparameters"
+def check_plan(saved, now, file, strict=False, # refuse (or warn)
+               who:str='the fit call continuing it', # who was asked, in the message
+               then:str='they apply from that resume point on, so the result matches neither run', # what happens, warned
+               fresh:str='delete the file'): # how to start fresh, in the refusal
+    "Warn, or with `strict` refuse, when `who` was asked for other hyperparameters than `file` was written with"
     ch = plan_changes(saved, now)
     if not ch: return
-    msg = f"{file} was written by a fit call with other hyperparameters ({'; '.join(ch)})"
-    if strict: raise CheckpointError(f"{msg}. Undo the change to continue it, or delete the file to start fresh")
-    warnings.warn(f"{msg}; they apply from that resume point on, so the result matches neither run "
-                  "(strict_hypers=True refuses)",
-                  stacklevel=2)
+    msg = f"{who} was asked for other hyperparameters than {file} was written with ({'; '.join(ch)})"
+    if strict: raise CheckpointError(f"{msg}. To continue it, undo the change; to start fresh, {fresh}")
+    warnings.warn(f"{msg}; {then} (strict_hypers=True refuses)", stacklevel=2)

@@ -8,6 +8,7 @@ import re
 from .files import CheckpointError, resume_record
 from .store import as_store
 from .runlog import read_runlog
+from .records import checkpoint_number
 
 # %% auto #0
 __all__ = ['STOP_COLOR', 'RESUME_COLOR', 'plot_data', 'plot_run']
@@ -15,8 +16,7 @@ __all__ = ['STOP_COLOR', 'RESUME_COLOR', 'plot_data', 'plot_run']
 # %% ../nbs/04a_plot.ipynb #0fc788e9
 def _points(store, fname:str)->list:
     "The names of the resume points of `AutoResume(fname)` in `store`, newest first"
-    pat = re.compile(rf'{re.escape(fname)}-(\d+)\.pth')
-    found = [(int(m[1]), e.name) for e in store.ls() if (m := pat.fullmatch(e.name))]
+    found = [(n, e.name) for e in store.ls() if (n := checkpoint_number(e.name, fname)) is not None]
     return [n for _,n in sorted(found, reverse=True)]
 
 def _newest(store, fname:str)->tuple:

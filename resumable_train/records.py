@@ -11,6 +11,12 @@ import torch
 __all__ = ['check_record']
 
 # %% ../nbs/00d_records.ipynb #caad0c29
+def checkpoint_number(name:str, fname:str|None=None)->int|None:
+    "The number of the resume point file `name` (`autoresume-0007.pth`: 7) of the run `fname` (of any run: `None`), else `None`"
+    stem = re.escape(fname) if fname else r'[\w.-]+'
+    m = re.fullmatch(stem + r'-(\d+)\.pth', str(name))
+    return int(m.group(1)) if m else None
+
 def _fail(field, what): raise ValueError(f"`{field}` {what}")
 
 def is_int(v): return isinstance(v, int) and not isinstance(v, bool)
@@ -194,6 +200,6 @@ def _fit_ledger(r):
     ends = _of(r.get('ends', []), 'ends', list)
     if len(ends) > i+1: _fail('ends', f"has {len(ends)} fit call{'s'*(len(ends) != 1)}, more than fit_index+1 = {i+1}")
     for j,n in enumerate(ends):
-        if n is not None and not (isinstance(n, str) and re.fullmatch(r'[\w.-]+-\d+\.pth', n)):
+        if n is not None and not (isinstance(n, str) and checkpoint_number(n) is not None):
             _fail(f'ends[{j}]', f"is {n!r}, not the name of a resume point")
     _int(r.get('last_epoch'), 'last_epoch', -1, fits[i]['n_epoch'], none_ok=True)  # -1: the end of a `fit(0)`
