@@ -3,12 +3,12 @@ import io, os, tempfile, time, torch
 from pathlib import Path
 from fastai.callback.core import Callback, CancelFitException
 import fastai.callback.schedule  # noqa: F401 (fit_one_cycle)
-from resumable_train.snapshot import checkpoint
+from resumable_train.resume import checkpoint
 from resumable_train.learner import log_history
 from resumable_train.store import LocalStore
 from resumable_train.files import _compact, resume_record, write_checkpoint
-from resumable_train.atomic import fsync as _fsync
-from resumable_train.history import log_ref
+from resumable_train.files import fsync as _fsync
+from resumable_train.files import log_ref
 from common import *
 
 def _bare(learn, file, fsync=False):

@@ -2,7 +2,7 @@
 import logging, random, time, warnings
 import torch
 from torch.utils.data import DataLoader as TorchDL, IterableDataset
-from resumable_train.loaders import Resumed, loader_position
+from resumable_train.resume import Resumed, loader_position
 from common import *
 
 class Stream(IterableDataset):

@@ -13,7 +13,7 @@ class _Full:
 _fdopen,_n = os.fdopen,[0]
 def _fdopen_full(fd, mode='r', *args, **kwargs):
     f = _fdopen(fd, mode, *args, **kwargs)
-    if sys._getframe(1).f_globals.get('__name__') != 'resumable_train.atomic': return f
+    if sys._getframe(1).f_globals.get('__name__') != 'resumable_train.files': return f
     _n[0] += 1
     return _Full(f) if _n[0] >= int(os.environ['FULL_AFTER']) else f
 os.fdopen = _fdopen_full

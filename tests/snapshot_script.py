@@ -12,7 +12,7 @@ from fastai.basics import *
 from fastai.callback.all import *
 from sklearn.datasets import load_digits
 from resumable_train.autoresume import AutoResume
-from resumable_train.checkpoints import Snapshot, StandInCopies
+from resumable_train.autoresume import Snapshot, StandInCopies
 from killrerun import Report, save_result
 
 p = argparse.ArgumentParser()

@@ -152,7 +152,7 @@ BIG = textwrap.dedent('''
 @pytest.mark.skipif(sys.platform != 'linux', reason="ru_maxrss is in kB on Linux")
 def test_huge_history_log(tmp_path):
     "`inspect` of a 3 GB history log (a sparse file) reads its header and size: its peak memory grows by less than 200 MB"
-    from resumable_train.records import LOG_MAGIC
+    from resumable_train.files import LOG_MAGIC
     head = LOG_MAGIC + b'[["recorder/losses", "stack", "float32", []]]\n'
     f = tmp_path/'big.history'
     with open(f, 'wb') as o: o.write(head); o.truncate(3*10**9)

@@ -4,7 +4,7 @@ import random, signal
 from concurrent.futures import ThreadPoolExecutor
 import pytest, torch
 from helpers import TESTS, diff_values
-from resumable_train.checkpoints import newest_valid
+from resumable_train.autoresume import newest_valid
 from resumable_train.files import resume_record
 
 SCRIPT = TESTS/'group_signal_script.py'

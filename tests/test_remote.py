@@ -195,7 +195,7 @@ def test_second_run_refused(forker, s3, tmp_path):
 
 def test_lease_passes(s3):
     "A lock whose lease ran out (its machine died) is taken over; one within its lease, on another machine, is not; renewals keep it"
-    from resumable_train.locks import _held
+    from resumable_train.store import _held
     url,key = f's3://{s3.bucket}/lease','lease/.exp.lock'
     old = dict(host='elsewhere', boot='', pid=1, since=time.time()-100, expires=time.time()-1)
     s3.client().put_object(Bucket=s3.bucket, Key=key, Body=json.dumps(old).encode())
@@ -216,7 +216,7 @@ def test_lease_passes(s3):
 
 def test_old_s3fs_refused(s3, monkeypatch):
     "An s3fs without conditional writes is refused with the version to install (the `s3` extra asks for it)"
-    import resumable_train.locks as locks
+    import resumable_train.store as locks
     monkeypatch.setattr(locks, '_exclusive_writes', lambda fs: False)
     with pytest.raises(StoreError, match=r"has no conditional writes.*pip install 's3fs>=2024.12.0'"):
         as_store(f's3://{s3.bucket}/old', **s3.options()).lock('exp')

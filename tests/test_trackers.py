@@ -7,8 +7,8 @@ from forked import Forker
 from helpers import TESTS
 import killrerun as kr
 from resumable_train.cli import main
-from resumable_train.plot import plot_data, STOP_COLOR, RESUME_COLOR
-from resumable_train.runlog import read_runlog, run_summary
+from resumable_train.cli import plot_data, STOP_COLOR, RESUME_COLOR
+from resumable_train.store import read_runlog, run_summary
 
 SCRIPT = str(TESTS/'trackers_script.py')
 EVERY = 5  # trackers_script.py's AutoResume(every_iter=5)
