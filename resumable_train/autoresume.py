@@ -11,7 +11,7 @@ from fastai.torch_core import rank_distrib
 from .files import *
 from .store import *
 from .resume import *
-from .resume import group_device
+from .resume import group_device, collective
 from .files import checkpoint_number
 
 # %% auto #0
@@ -61,7 +61,8 @@ def _error(cls, msg:str)->Exception:
 def _first_error(err):
     "The error of the first rank that met one, on every rank: a rank that raised alone would leave the others waiting"
     errs = [None]*dist.get_world_size()
-    dist.all_gather_object(errs, None if err is None else (type(err), str(err)))
+    mine = None if err is None else (type(err), str(err))
+    collective(lambda: dist.all_gather_object(errs, mine), "learn whether the other ranks could look for resume points")
     first = next((r for r,e in enumerate(errs) if e is not None), None)
     return err if first is None or first == dist.get_rank() else _error(*errs[first])
 
@@ -69,7 +70,7 @@ def _newest_rank(file, state, fname)->tuple:
     "The rank whose node holds the newest resume point of the run, and that point's file number"
     mine = torch.tensor(where_in_run(file, state, fname), dtype=torch.int64, device=group_device())
     wheres = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(wheres, mine)
+    collective(lambda: dist.all_gather(wheres, mine), "compare the newest resume points of the nodes")
     wheres = [w.tolist() for w in wheres]
     src = max(range(len(wheres)), key=lambda r: (wheres[r][:4], -r))
     return src, (wheres[src][4] if wheres[src][0] else None)
@@ -93,7 +94,8 @@ def scan_run(store, # where the run's resume points live (on this node)
     err = _first_error(err)
     if err is not None: raise err
     src,num = _newest_rank(file, state, fname)
-    top = agree(top)  # numbered for the run, not the node: a name in the ledger is one file, wherever rank 0 runs
+    # numbered for the run, not the node: a name in the ledger is one file, wherever rank 0 runs
+    top = collective(lambda: agree(top), "agree on the next resume point's number")
     if num is None: return None, None, src, top+1
     file = store.where(f'{fname}-{num:04d}.pth')
     return file, share_checkpoint(state if dist.get_rank() == src else None, src), src, top+1
@@ -107,7 +109,7 @@ def holder_rank(store, name:str, src:int)->int:
         except OSError as e: warnings.warn(f"AutoResume could not look for {name} in {store.url}: {e}")
     mine = torch.tensor([held], dtype=torch.int64, device=group_device())
     has = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(has, mine)
+    collective(lambda: dist.all_gather(has, mine), f"learn which node holds {name}")
     return next((r for r in (src, *range(len(has))) if has[r].item()), src)  # none: `src`, whose read names the file
 
 # %% ../nbs/03_autoresume.ipynb #80b861c5

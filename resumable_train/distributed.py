@@ -72,7 +72,7 @@ def shard(dl, rank:int, world_size:int):
     return ShardDL(dl, rank, world_size)
 
 # %% ../nbs/04_distributed.ipynb #fedd3fbd
-import atexit, gc, os, time, datetime, contextlib
+import atexit, gc, os, time, datetime, contextlib, functools
 import numpy as np, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import GetAttr, patch
@@ -83,7 +83,8 @@ from .state import *
 from .state import metric_state, set_metric_state, qualname
 from .resume import *
 from .resume import *
-from .resume import world_size, group_device
+from .resume import world_size, group_device, collective, give_up, comm_failure, CollectiveError
+from .resume import watch_peers, stop_watching
 from .resume import seeded
 from .resume import SkipToIter
 from .resume import fit_position
@@ -109,6 +110,7 @@ def init_distributed(timeout:float=600, # seconds a rank waits for the others in
     if cuda: torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
     store,rank,world_size = _store(td)
     dist.init_process_group('nccl' if cuda else 'gloo', store=store, rank=rank, world_size=world_size, timeout=td)
+    watch_peers(store, timeout)   # a rank whose peer gave up stops too, wherever it is (see `collectives`)
     atexit.register(_leave_group)
     return True
 
@@ -116,6 +118,7 @@ def _leave_group():
     "Leave the process group `init_distributed` joined, before the interpreter exits"
     # left to the interpreter's exit, gloo's threads can abort the process after a finished run ('terminate called
     # without an active exception'): destroy it while python is whole, once what refers to it (a DDP) is collected
+    stop_watching()
     gc.collect()
     if _group(): dist.destroy_process_group()
 
@@ -156,18 +159,12 @@ class DDPTrainer(Callback):
         self.rank,self.world_size = (dist.get_rank(),dist.get_world_size()) if self.active else (0,1)
         self.fitting,self.pending,self.gate_secs,self.rest,self.elastic = False,None,0.,None,False
 
+    def _where(self, what:str)->str:
+        return f"{what} (epoch {getattr(self.learn, 'epoch', 0)}, batch {getattr(self.learn, 'iter', 0)})"
+
     def _collective(self, f, what:str):
-        "Run the collective call `f`, turning a failure into an error that says what happened"
-        try: return f()
-        except RuntimeError as e:
-            words = ('gloo','nccl','NCCL','Timed out','Connection')
-            if isinstance(e, getattr(dist, 'DistError', ())) or any(w in str(e) for w in words):
-                raise RuntimeError(
-                    f"DDPTrainer: rank {self.rank} of {self.world_size} could not {what} "
-                    f"(epoch {getattr(self.learn, 'epoch', 0)}, batch {getattr(self.learn, 'iter', 0)}): "
-                    f"another rank has died, or has not answered within the {self.timeout:g}s timeout. "
-                    "Run the same command again to continue from the last resume point.") from e
-            raise
+        "Run the collective call `f`; if it fails, this rank gives up, saying what it could not do and where"
+        return collective(f, self._where(what))
 
     def _data(self):
         "The training DataLoader this callback shards"
@@ -194,6 +191,9 @@ def _call(self:DDPTrainer, event_name):
     except CancelFitException:
         if event_name in _OWN_EVENTS: raise
         self.stop = True
+    except Exception as e:   # a collective call of fastai's (the `Recorder`'s gather) or of another callback
+        if isinstance(e, CollectiveError) or not comm_failure(e): raise
+        raise give_up(self._where(f"finish {event_name} with the other ranks")) from e
     finally:
         if event_name == 'after_fit': self._cleanup()
     self._restore_rank_rng()
@@ -225,7 +225,8 @@ def before_fit(self:DDPTrainer):
     if self.dev.type == 'cuda': learn.dls.to(self.dev); learn.model.to(self.dev)
     self.old = dict(model=learn.model, loaders=list(learn.dls.loaders), logger=learn.logger)
     ids = [self.dev.index] if self.dev.type == 'cuda' else None
-    self.ddp = DistributedDataParallel(learn.model, device_ids=ids, **self.ddp_kwargs)
+    self.ddp = self._collective(lambda: DistributedDataParallel(learn.model, device_ids=ids, **self.ddp_kwargs),
+                                "check the model's parameters with the other ranks")
     learn.model = self.ddp
     states = self._collective(lambda: _broadcast([dl_rng_state(dl) for dl in learn.dls.loaders]),
                               "receive rank 0's data order")
@@ -330,21 +331,45 @@ def before_train(self:DDPTrainer):
     if r is None or r['epoch'] != self.epoch: return
     self.learn.dl = ShardDL(self._data(), self.rank, self.world_size, offset=r['offset'], first=r['first'])
 
+def _batches(n:int, ws:int, bs:int, drop_last:bool)->int:
+    "Batches per rank of `n` samples of an epoch's order shared among `ws` ranks (padded to a multiple of `ws`)"
+    share = -(-n//ws)
+    return share//bs if drop_last else -(-share//bs)
+
+def _fastai_pct(epoch:int, it:int, n_iter:int, n_epoch:int)->float:
+    "`pct_train` at batch `it` of `epoch`, summed as fastai's `TrainEvalCallback` sums it (bit for bit)"
+    pct,step = epoch/n_epoch,1./(n_iter*n_epoch)
+    for _ in range(it): pct += step
+    return pct
+
+@functools.lru_cache(maxsize=4)   # asked at every batch of the rest: summed once
+def _rest_schedule(pct:float, # `pct_train` of the saved run's next batch
+                  k:int, # batches in the rest of the epoch, on this world size
+                  n_iter:int, # batches in a whole epoch, on this world size
+                  epoch:int, n_epoch:int)->tuple:
+    "`pct_train` of each of the `k` batches of the rest of `epoch`, then at its end: the end is this world size's own"
+    last,end = _fastai_pct(epoch, n_iter-1, n_iter, n_epoch),_fastai_pct(epoch, n_iter, n_iter, n_epoch)
+    return tuple(pct + (last-pct)*i/(k-1) for i in range(k-1)) + (last, end)[-k-1:]
+
 @patch
 def _rest_pct(self:DDPTrainer, it:int)->float:
-    "`pct_train` after batch `it` of that epoch: from the saved run's to the epoch's end, in proportion to samples"
+    "`pct_train` at batch `it` of the epoch a resume on another world size starts inside (`_rest_schedule`)"
     r,dl,ws = self.rest,self._data(),self.world_size
     bs = dl.bs or 1
-    share = -(-(dl.n - r['offset'])//ws)
-    per_rank = share//bs*bs if dl.drop_last else share
-    total,done = per_rank*ws,min((it - r['first'])*bs, per_rank)*ws
-    end = (self.epoch+1)/self.n_epoch
-    return end - (end - r['pct'])*(total - done)/total
+    k = _batches(dl.n - r['offset'], ws, bs, dl.drop_last)
+    pcts = _rest_schedule(r['pct'], k, _batches(dl.n, ws, bs, dl.drop_last), self.epoch, self.n_epoch)
+    return pcts[min(it - r['first'], k)]
+
+@patch
+def _in_rest(self:DDPTrainer)->bool: return self.training and self.rest is not None and self.rest['epoch'] == self.epoch
+
+@patch
+def before_batch(self:DDPTrainer):
+    if self._in_rest(): self.learn.pct_train = self._rest_pct(self.iter)
 
 @patch
 def after_batch(self:DDPTrainer):
-    if self.training and self.rest is not None and self.rest['epoch'] == self.epoch:
-        self.learn.pct_train = self._rest_pct(self.iter+1)
+    if self._in_rest(): self.learn.pct_train = self._rest_pct(self.iter+1)
 
 @patch
 def after_train(self:DDPTrainer):

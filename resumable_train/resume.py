@@ -4,7 +4,7 @@
 
 # %% ../nbs/02a_resume.ipynb #d2c7d953
 from __future__ import annotations
-import io
+import io, json, os, sys, threading
 import torch, torch.distributed as dist
 from .files import *
 from .files import stock_safe
@@ -20,13 +20,105 @@ def world_size()->int: return dist.get_world_size() if dist.is_available() and d
 def group_device():
     return torch.device('cuda', torch.cuda.current_device()) if dist.get_backend() == 'nccl' else torch.device('cpu')
 
+# %% ../nbs/02a_resume.ipynb #c28a0002
+class CollectiveError(RuntimeError):
+    "A collective call failed: another rank has died, gave up, or did not answer within the process group's timeout"
+
+
+# %% ../nbs/02a_resume.ipynb #c28a0003
+# what the backends' failures say: gloo's and nccl's are plain `RuntimeError`s
+_WORDS = ('gloo', 'Gloo', 'nccl', 'NCCL', 'Timed out', 'Connection closed', 'Connection reset', 'pair closure')
+_KEY = 'resumable_train/gave_up'   # where a rank that gives up writes why, in the group's store
+
+def comm_failure(e:BaseException)->bool:
+    "Is `e` the failure of a collective call (rather than of the code around it)?"
+    if isinstance(e, getattr(dist, 'DistError', ())): return True
+    return isinstance(e, RuntimeError) and any(w in str(e) for w in _WORDS)
+
+class _Peers:
+    "This process's side of the group's stops: the store and timeout, the first failure, the calls in progress"
+    def __init__(self): self.store,self.timeout,self.failed,self.depth,self.done = None,None,None,0,threading.Event()
+
+    def rank(self)->tuple:
+        return (dist.get_rank(),dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0,1)
+    def within(self)->str: return f"the {self.timeout:g}s timeout" if self.timeout else "the process group's timeout"
+
+    def give_up(self, what:str, who:str)->CollectiveError:
+        "This rank could not `what`: the error to raise; the other ranks are told, and later calls fail at once"
+        if self.failed is None:
+            r,n = self.rank()
+            self.failed = (f"{who}: rank {r} of {n} could not {what}: another rank has died, or has not answered "
+                           f"within {self.within()}. Run the same command again to continue from the last resume "
+                           "point.")
+            # the store went with rank 0 if it died: the others learn it at their next call
+            try: self.store is None or self.store.set(_KEY, json.dumps(dict(rank=r, what=what, who=who)))
+            except Exception: pass
+        return CollectiveError(self.failed)
+
+    def watch(self, stop, every:float):
+        "Until `done`: look in the store every `every` s; when another rank gave up, call `stop` with what to say"
+        while not self.done.wait(every):
+            try:
+                if not self.store.check([_KEY]): continue
+                o = json.loads(self.store.get(_KEY))
+            except Exception: return  # the store has gone with rank 0, which ended: nothing left to watch
+            if self.failed is not None: return  # this rank gave up too: its own error says why
+            r,n = self.rank()
+            return stop(f"{o['who']}: rank {r} of {n} stops: rank {o['rank']} gave up, as it could not {o['what']} "
+                        f"within {self.within()}. Run the same command again to continue from the last resume point.")
+
+_peers = _Peers()
+
+
+# %% ../nbs/02a_resume.ipynb #c28a0004
+def collective(f, # the collective call, without arguments
+               what:str, # what it does, for the error: "agree on whether to stop"
+               who:str='DDPTrainer', # whose process group it is, for the error (`init_distributed` joins it)
+              ):
+    "`f()`; if it fails, this rank gives up (one `CollectiveError`) and tells the others; nested, the outermost does"
+    if _peers.failed is not None: raise CollectiveError(_peers.failed)
+    _peers.depth += 1
+    try: return f()
+    except Exception as e:
+        if _peers.depth > 1 or isinstance(e, CollectiveError) or not comm_failure(e): raise
+        raise _peers.give_up(what, who) from e
+    finally: _peers.depth -= 1
+
+def give_up(what:str, who:str='DDPTrainer')->CollectiveError:
+    "The error of this rank giving up, after a collective call outside `collective` failed; the other ranks are told"
+    return _peers.give_up(what, who)
+
+def _stop_process(msg:str):
+    "Say `msg` and end this process now: its group is broken, and its main thread may be anywhere (validating, writing)"
+    print(f'\n{msg}', file=sys.stderr, flush=True)   # a progress bar's line may have no end yet
+    os._exit(1)
+
+def watch_peers(store, # the process group's store
+                timeout:float, # the group's timeout, for the messages
+                stop=None, # called with the message when another rank gave up; by default: print it, end the process
+                every:float=0.5, # seconds between two looks
+               )->threading.Thread:
+    "Stop this process when another rank of its group gives up, wherever it is: a thread looks in `store`"
+    _peers.store,_peers.timeout,_peers.failed = store,timeout,None   # a new group: nothing has failed in it yet
+    _peers.done.clear()
+    t = threading.Thread(target=_peers.watch, args=(stop or _stop_process, every), daemon=True,
+                         name='resumable_train-peers')
+    t.start()
+    return t
+
+def stop_watching():
+    "End the watch `watch_peers` started (the process leaves its group)"
+    _peers.done.set()
+
+
 # %% ../nbs/02a_resume.ipynb #5ecc3a1c
 def agree(x:int)->int:
     "The maximum of `x` over all ranks (the value itself without `torch.distributed`)"
     if not (dist.is_available() and dist.is_initialized()): return x
     t = torch.tensor([int(x)], device=group_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX), "agree with the others on whether to stop or save")
     return int(t.item())
+
 
 # %% ../nbs/02a_resume.ipynb #617fde5f
 def share_checkpoint(state:dict|None, # the checkpoint on rank `src`; ignored on the other ranks
@@ -34,6 +126,9 @@ def share_checkpoint(state:dict|None, # the checkpoint on rank `src`; ignored on
                     )->dict:
     "Rank `src`'s checkpoint on every rank, sent over the process group as the bytes of its file"
     if world_size() == 1: return state
+    return collective(lambda: _share(state, src), f"share a checkpoint from rank {src}")
+
+def _share(state, src):
     mine,dev = dist.get_rank() == src,group_device()
     buf = io.BytesIO()
     if mine: torch.save(state, buf)
@@ -60,7 +155,7 @@ def read_on_rank0(file, src:int=0, **kwargs)->dict:
         try: state = read(file, **kwargs)
         except CheckpointError as e: err = str(e)
     o = [err]
-    dist.broadcast_object_list(o, src=src, device=group_device())
+    collective(lambda: dist.broadcast_object_list(o, src=src, device=group_device()), f"share {file} from rank {src}")
     if o[0] is not None: raise CheckpointError(o[0])
     return share_checkpoint(state, src)
 

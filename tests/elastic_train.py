@@ -26,6 +26,7 @@ p.add_argument('--kill-at', type=int, default=-1)      # after this training bat
 p.add_argument('--kill-rank', type=int, default=-1)    # ... this rank only (-1: all ranks, after a barrier), in the first attempt only
 p.add_argument('--mark-at', type=int, default=-1)      # rank 0 writes OUT/marker-{tag} after this training batch
 p.add_argument('--sleep', type=float, default=0.)      # seconds per training batch
+p.add_argument('--slow-valid', type=float, default=0.) # seconds rank 0 spends in its first validation (as a loaded machine may)
 p.add_argument('--timeout', type=float, default=20)
 args = p.parse_args()
 out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
@@ -39,7 +40,7 @@ from resumable_train.autoresume import AutoResume
 from resumable_train.distributed import DDPTrainer
 
 class Ledger(Callback):
-    "Log what each training batch trained; kill or mark where the arguments say"
+    "Log what each training batch trained; kill, mark or slow down where the arguments say"
     order = AutoResume.order+1   # after AutoResume wrote its resume point
     def before_fit(self): self.f = open(out/f'ledger-{args.tag}-rank{rank}.jsonl', 'a')
     def before_batch(self): self.pct = self.pct_train
@@ -54,6 +55,8 @@ class Ledger(Callback):
         if self.train_iter == args.kill_at and attempt == 0 and args.kill_rank in (-1, rank):
             if args.kill_rank == -1 and dist.is_initialized(): dist.barrier()   # every rank past the write of the resume point
             os.kill(os.getpid(), signal.SIGKILL)
+    def before_validate(self):
+        if rank == 0 and args.slow_valid and self.epoch == 0: time.sleep(args.slow_valid)
     def after_fit(self):   # a fit call that AutoResume skips (it finished in an earlier run) never opened the file
         if (f := self.__dict__.pop('f', None)): f.close()
 

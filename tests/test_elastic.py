@@ -73,6 +73,24 @@ def test_one_global_order(refs):
         assert refs[n]['order'] == {e: padded(o, n) for e,o in order.items()}, n
     for n in (1, 2, 3): assert abs(refs[n]['result']['pct_train'] - 1) < 1e-9
 
+def shared_epoch(order, out, before, after, kill, e)->tuple:
+    """Check the ledgers of a run on `before` processes killed after batch `kill` (in epoch `e`) and its resume on `after`: every sample of
+    each epoch trained once (plus each run's padding), in the global `order`; the first run's rows up to `kill`, and the second's"""
+    a = [r for r in ledger(out, 'a', before) if r['train_iter'] <= kill]   # what the resume point holds
+    b = ledger(out, 'b', after)
+    ga,gb = global_order(a, before),global_order(b, after)
+    assert a[-1]['epoch'] == e and min(r['epoch'] for r in b) == e
+    c = len(ga[e])
+    assert ga[e] == order[e][:c] and c < N                            # the first run trained a prefix of the epoch's order ...
+    assert gb[e] == padded(order[e][c:], after)                       # ... the second the rest of it, shared among its ranks
+    assert not set(ga[e]) & set(gb[e]) and sorted(set(ga[e]) | set(gb[e])) == list(range(N))   # every sample once
+    for ep in range(e): assert ga[ep] == padded(order[ep], before)
+    for ep in range(e+1, len(order)): assert gb[ep] == padded(order[ep], after)
+    trained = sum(len(s) for s in ga.values()) + sum(len(s) for s in gb.values())
+    assert trained == len(order)*N + sum(len(padded(order[ep], before)) - N for ep in range(e)) + len(gb[e]) - (N-c) \
+                      + sum(len(padded(order[ep], after)) - N for ep in range(e+1, len(order)))
+    return a, b
+
 CASES = [(1, 2, 11), (2, 1, 6), (2, 3, 6)]   # (processes before, after, the training batch the first run is killed after)
 
 @pytest.mark.parametrize('workers', [0, 2])
@@ -85,22 +103,8 @@ def test_elastic(forker, refs, tmp_path, before, after, kill, workers):
     (rc,o), *_ = run(forker, after, tmp_path, '--tag', 'refused', *w, ok=False)
     assert rc != 0 and f'world_size: saved {before}, now {after}' in o and 'AutoResume(elastic=True)' in o, o[-2000:]
     run(forker, after, tmp_path, '--tag', 'b', '--elastic', *w)
-    order = refs[1]['order']
-    a = [r for r in ledger(tmp_path, 'a', before) if r['train_iter'] <= kill]   # what the resume point holds
-    b = ledger(tmp_path, 'b', after)
-    ga,gb = global_order(a, before),global_order(b, after)
-    e = a[-1]['epoch']
-    assert e == 1 and min(r['epoch'] for r in b) == e
-    c = len(ga[e])
-    assert ga[e] == order[e][:c] and c < N                            # the first run trained a prefix of the epoch's order ...
-    assert gb[e] == padded(order[e][c:], after)                       # ... the second the rest of it, shared among its ranks
-    assert not set(ga[e]) & set(gb[e]) and sorted(set(ga[e]) | set(gb[e])) == list(range(N))   # every sample once
-    for ep in range(e): assert ga[ep] == padded(order[ep], before)
-    for ep in range(e+1, EPOCHS): assert gb[ep] == padded(order[ep], after)
-    trained = sum(len(s) for s in ga.values()) + sum(len(s) for s in gb.values())
-    assert trained == EPOCHS*N + sum(len(padded(order[ep], before)) - N for ep in range(e)) + len(gb[e]) - (N-c) \
-                      + sum(len(padded(order[ep], after)) - N for ep in range(e+1, EPOCHS))
-    # the schedule: continues from the saved position, grows with the samples, ends where an uninterrupted run on `after` does
+    a,b = shared_epoch(refs[1]['order'], tmp_path, before, after, kill, 1)
+    # the schedule: continues from the saved position, grows, ends where an uninterrupted run on `after` does
     pcts = [r['pct'] for r in sorted(a, key=lambda r: r['train_iter']) if r['rank'] == 0] + \
            [r['pct'] for r in sorted(b, key=lambda r: r['train_iter']) if r['rank'] == 0]
     assert all(x < y for x,y in zip(pcts, pcts[1:])), pcts
@@ -127,3 +131,36 @@ def test_elastic_then_same_size(forker, tmp_path):
         d = diff_values(full['model'], b2['model'], 'model') + diff_values(full['values'], b2['values'], 'values') + \
             diff_values(full['lrs'], b2['lrs'], 'lrs')
         assert not d and full['pct_train'] == b2['pct_train'] and full['train_iter'] == b2['train_iter'], d[:5]
+
+@pytest.fixture(scope='module')
+def refs2(forker, tmp_path_factory):
+    "Uninterrupted runs of 2 epochs on 1 and 2 processes"
+    out,res = tmp_path_factory.mktemp('refs2'),{}
+    for n in (1, 2):
+        run(forker, n, out, '--tag', f'ref{n}', '--run', f'run{n}', '--epochs', '2')
+        rows = [r for r in ledger(out, f'ref{n}', n) if r['rank'] == 0]
+        res[n] = dict(order=global_order(ledger(out, f'ref{n}', n), n), result=load_result(out/f'result-ref{n}-rank0.pt'),
+                      pcts=[r['pct'] for r in sorted(rows, key=lambda r: r['train_iter'])])
+    return res
+
+# killed in the last epoch (of 2): 1 process trains 8 batches an epoch (batches 9-16), 2 processes 4 (batches 5-8); the rest of the
+# epoch on the other size is 2 batches (after 13), 1 batch (after 15), 4 batches (after 6), 2 batches (after 7)
+LAST = [(1, 2, 13), (1, 2, 15), (2, 1, 6), (2, 1, 7)]
+
+@pytest.mark.parametrize('before,after,kill', LAST)
+def test_elastic_last_epoch(forker, refs2, tmp_path, before, after, kill):
+    "Killed in the last epoch and resumed on another size: every sample once, and the schedule ends as the uninterrupted run on the new size"
+    assert all(rc == -9 for rc,_ in run(forker, before, tmp_path, '--tag', 'a', '--kill-at', str(kill), '--epochs', '2', ok=False))
+    run(forker, after, tmp_path, '--tag', 'b', '--elastic', '--epochs', '2')
+    a,b = shared_epoch(refs2[1]['order'], tmp_path, before, after, kill, 1)
+    ref,rb = refs2[after]['result'],load_result(tmp_path/f'result-b-rank0.pt')
+    # fastai schedules the last batch of an epoch at (epoch+1)/n_epoch - 1/(n_iter*n_epoch), however few samples it holds: the resumed
+    # run's last batch is scheduled there too, and the fit ends on the new size's last learning rate and pct_train, bit for bit
+    assert rb['lrs'][-1] == ref['lrs'][-1] and rb['pct_train'] == ref['pct_train'], (rb['lrs'][-3:], ref['lrs'][-3:])
+    pa = [r['pct'] for r in sorted(a, key=lambda r: r['train_iter']) if r['rank'] == 0]
+    pb = [r['pct'] for r in sorted(b, key=lambda r: r['train_iter']) if r['rank'] == 0]
+    # up to its last batch the schedule goes on from the saved position (a rest of one batch is that last batch)
+    up = pa + pb[:-1]
+    assert pb[-1] == refs2[after]['pcts'][-1] and all(x < y for x,y in zip(up, up[1:])), (pa, pb)
+    for r in range(1, after):
+        assert not diff_values(rb['model'], load_result(tmp_path/f'result-b-rank{r}.pt')['model'])

@@ -5,8 +5,10 @@ group killed on timeout; torchrun workers pay `import fastai` each, so the launc
 
 `fine_tune` (two fit calls) on two nodes made of forked ranks (`LOCAL_RANK` 0 on both, each its own folder, as
 scan_script.py does): killed in the second call, relaunched with rank 0 on the other node, then run again the other way
-round (issue 20)."""
-import glob, os, signal, time
+round (issue 20).
+
+A rank whose peer gave up stops within its own timeout, on a loaded machine (issue 28)."""
+import glob, os, signal, subprocess, time
 from pathlib import Path
 import pytest
 from helpers import PY, TESTS, start, finish, kill_group, load_result, diff_values
@@ -135,3 +137,31 @@ def test_fine_tune_rank0_moves(forker, tmp_path):
     res = forked_nodes(forker, [a, b], '--tag', 'again')
     assert 'this run already finished' in res[0][1], why(res)
     assert_same(reference, [load_result(a/'result-again-rank0.pt'), load_result(b/'result-again-rank1.pt')])
+
+def busy(n:int=2, secs:float=120)->list:
+    "Load the machine: `n` busy loops, each ending by itself after `secs` seconds (kill them when done)"
+    code = f"import time\nend = time.monotonic() + {secs}\nwhile time.monotonic() < end: pass"
+    return [subprocess.Popen([PY, '-c', code], start_new_session=True) for _ in range(n)]
+
+def test_peer_gave_up_under_load(forker, tmp_path):
+    "Rank 0 validates for a minute; rank 1 gives up after its timeout; rank 0 stops within the timeout too, saying why (before: after its minute)"
+    secs,loads = 5,busy()
+    port = free_port()
+    env = lambda r: dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    ps = [forker.start(SCRIPT, tmp_path, '--timeout', secs, '--slow-valid', '60', env=env(r)) for r in (0, 1)]
+    try:
+        end,ends = time.monotonic() + 90,{}
+        while len(ends) < 2 and time.monotonic() < end:
+            ends.update({r: time.monotonic() for r,p in enumerate(ps) if r not in ends and p.poll() is not None})
+            time.sleep(0.05)
+        for p in ps: p.kill_group()
+        outs = [p.stdout.read() for p in ps]
+        res = [(p.returncode, o) for p,o in zip(ps, outs)]
+        assert 1 in ends and "DDPTrainer: rank 1 of 2 could not receive rank 0's validation results" in outs[1], why(res)
+        assert 0 in ends and ends[0] - ends[1] < secs + 10, (f"rank 0 still ran {time.monotonic() - ends[1]:.0f}s after rank 1 gave up",
+                                                            why(res))
+        print(f"rank 0 stopped {ends[0] - ends[1]:.1f}s after rank 1 gave up")
+        assert ps[0].returncode != 0 and 'DDPTrainer: rank 0 of 2 stops: rank 1 gave up' in outs[0], why(res)
+    finally:
+        for p in ps + loads: p.kill() if isinstance(p, subprocess.Popen) else p.kill_group()
+        for p in loads: p.wait()
