@@ -96,7 +96,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from . import __version__
-from .files import read_checkpoint, resume_record, CheckpointError
+from .files import read_checkpoint, resume_record, CheckpointError, position_text
 from .files import history_log_info, unpack
 from .store import as_store, is_url, locate, LocalStore, StoreError
 from .store import read_runlog, run_summary, timeline
@@ -205,11 +205,9 @@ def _bytes(n):
         n /= 1000
 
 def _pos(p):
-    "A resume point's position numbered as fastai's progress bar numbers it: epochs from 1, batches done so far"
-    if p['batch'] == p['n_iter']: return f"after epoch {p['epoch']}/{p['n_epoch']}"
-    if p['batch'] == 0:
-        return f"after epoch {p['epoch']-1}/{p['n_epoch']}" if p['epoch'] > 1 else f"start of epoch 1/{p['n_epoch']}"
-    return f"epoch {p['epoch']}/{p['n_epoch']}, after batch {p['batch']}/{p['n_iter']}"
+    "A resume point's position (`inspect --json`'s, numbered from 1) in the words of every message (`position_text`)"
+    end = p['batch'] == p['n_iter']  # the last batch of an epoch: its end
+    return position_text(p['epoch'] if end else p['epoch']-1, 0 if end else p['batch'], p['n_epoch'], p['n_iter'])
 
 def _where(info):
     "A short description of where a checkpoint's run stands"

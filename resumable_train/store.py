@@ -12,7 +12,7 @@ import fsspec
 from fastcore.basics import patch
 from fastcore.foundation import L
 from .files import write_checkpoint, read_checkpoint, CheckpointError
-from .files import WriteCancelled
+from .files import WriteCancelled, position_text
 
 # %% auto #0
 __all__ = ['Entry', 'MANIFEST', 'Store', 'LocalStore', 'StoreError', 'FsspecStore', 'is_url', 'as_store', 'locate', 'runlog_name',
@@ -595,8 +595,8 @@ class RunLog:
 def _at(e)->str:
     "Where an event happened, as the progress bar numbers it (epochs and batches from 1)"
     if e.get('epoch') is None: return 'position unknown'
-    ep = f"epoch {e['epoch']+1}/{e['n_epoch']}" if e.get('n_epoch') else f"epoch {e['epoch']+1}"
-    return f"{ep}, after batch {e['iter']}" + (f"/{e['n_iter']}" if e.get('n_iter') else '')
+    if e.get('n_epoch') and e.get('n_iter'): return position_text(e['epoch'], e['iter'], e['n_epoch'], e['n_iter'])
+    return f"epoch {e['epoch']+1}, batch {e['iter']}"  # a story of 0.3's first runs: no totals
 
 def _stamp(t)->str: return datetime.fromtimestamp(t).strftime('%Y-%m-%d %H:%M:%S')
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Tutorials that stop processes at moments that vary from run to run (a random batch, the first file seen): the batch numbers, the resume
-# points' names and sizes and the plotted losses vary, and a position may read `after epoch 2/3` in one run and `epoch 3/3, batch 2/44` in
+# points' names and sizes and the plotted losses vary, and a position may read `end of epoch 2/3` in one run and `epoch 3/3, batch 2/44` in
 # another. Their outputs are compared after `loosen`; their own tests check the numbers that matter (the digests of interrupted and
 # uninterrupted runs are equal).
 VARYING = {'10_tutorial.preemption.ipynb', '11_tutorial.distributed.ipynb', '12_tutorial.dashboards.ipynb'}
