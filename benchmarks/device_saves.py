@@ -10,6 +10,7 @@ from torch import nn
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.progress import ProgressCallback
 from resumable_train.autoresume import AutoResume
+from resumable_train.fitcalls import RunState
 from resumable_train.autoresume import Snapshot, StandInCopies, host_copy, tensor_leaves
 from common import *
 
@@ -60,7 +61,7 @@ def _timed(name, device, f):
 def _autoresume(learn, d, name, device, on_device):
     "A background `AutoResume` whose `_save` is timed: stall (until `_save` returns and the training stream has its work done), total"
     ar = AutoResume(background=True, verbose=False, dir=Path(d)/name)
-    ar.learn,ar.fits,ar.ends,ar.next_num,ar.fitting,ar.fit_calls.index = learn,[],[],1,True,0
+    ar.learn,ar.next_num,ar.state,ar.run_state = learn,1,'training',RunState(name)  # as inside a fit call: `_save` is timed alone
     ar.snapshot = Snapshot()
     if not on_device: ar.snapshot.on_device = False  # the host copy: today's path
     def f():

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from fastai.callback.core import Callback, CancelFitException
 from resumable_train.autoresume import AutoResume
+from resumable_train.fitcalls import RunState
 from common import *
 
 try:
@@ -49,7 +50,6 @@ def _timed_dict(name, f, *args, **kwargs)->dict: return {name: timed(f, *args, *
 def _rt_background(ar):
     "Stall (`AutoResume._save` in the training thread: snapshot, history rows, host copy) and total time of a background resume point"
     def f(learn):
-        ar.fitting,ar.fit_calls.index = True,0
         t = time.perf_counter()
         ar._save()
         stall = time.perf_counter() - t
@@ -60,7 +60,7 @@ def _rt_background(ar):
 def _rt_times(size, reps, d):
     learn = make_learner(reps+2, bs=64, size=size, path=d)
     ar = AutoResume(background=True, verbose=False, dir=Path(d)/'ar')
-    ar.learn,ar.fits,ar.ends,ar.next_num = learn,[],[],1
+    ar.learn,ar.next_num,ar.state,ar.run_state = learn,1,'training',RunState('peers')  # as inside a fit call
     bare = lambda l: torch.save({'model': l.model.state_dict(), 'opt': l.opt.state_dict()}, Path(d)/'bare.pth')
     fns = {'bare': lambda l: _timed_dict('bare torch.save', bare, l),
            'save': lambda l: _timed_dict('resumable_train learn.save', l.save, Path(d)/'save', durable=False),

@@ -479,15 +479,10 @@ from .state import *
 from .state import qualname
 from .resume import *
 from .hooks import hide_probes, hide_progress, refuse_fastai_ddp
-from .resume import *
-from .resume import read_on_rank0
-from .fitcalls import run_setup, setup_diff, fit_plan, check_plan
-from .resume import *
-from .resume import restore_streams, restore_grads, fit_position
-from .resume import SeedBatches
+from .resume import read_on_rank0, restore_streams, restore_grads, fit_position, SeedBatches
+from .fitcalls import run_setup, setup_diff, fit_plan, check_plan, FitCalls, run_state, start_digest
 from .learner import *
 from .learner import log_history, load_through, bypassed
-from .fitcalls import FitCalls, run_state, start_digest
 from .store import RunLog, point_at
 
 # %% ../nbs/03_autoresume.ipynb #9180fd52

@@ -5,10 +5,8 @@
 # %% ../nbs/05_cli.ipynb #b0837f78
 from __future__ import annotations
 import re
-from .files import CheckpointError, resume_record
-from .store import as_store
-from .store import read_runlog
-from .files import checkpoint_number
+from .files import CheckpointError, resume_record, checkpoint_number
+from .store import as_store, read_runlog
 
 # %% auto #0
 __all__ = ['STOP_COLOR', 'RESUME_COLOR', 'plot_data', 'plot_run', 'digits_learner', 'weights_digest', 'checkpoint_info', 'main']
@@ -96,10 +94,8 @@ from pathlib import Path
 import torch
 from torch import nn
 from . import __version__
-from .files import read_checkpoint, resume_record, CheckpointError, position_text
-from .files import history_log_info, unpack
-from .store import as_store, is_url, locate, LocalStore, StoreError
-from .store import read_runlog, run_summary, timeline
+from .files import (read_checkpoint, resume_record, CheckpointError, position_text, history_log_info, unpack)
+from .store import as_store, is_url, locate, LocalStore, StoreError, read_runlog, run_summary, timeline
 
 # %% ../nbs/05_cli.ipynb #268f0f0e
 def digits_learner(path='.', # the folder whose `models/` holds the checkpoints

@@ -82,12 +82,8 @@ from .files import *
 from .state import *
 from .state import metric_state, set_metric_state, qualname
 from .resume import *
-from .resume import *
-from .resume import world_size, group_device, collective, give_up, comm_failure, CollectiveError
-from .resume import watch_peers, stop_watching
-from .resume import seeded
-from .resume import SkipToIter
-from .resume import fit_position
+from .resume import (world_size, group_device, collective, give_up, comm_failure, CollectiveError, fastai_pct, watch_peers,
+    stop_watching, seeded, SkipToIter, fit_position)
 from .learner import *
 from .learner import world_error
 
@@ -338,9 +334,7 @@ def _batches(n:int, ws:int, bs:int, drop_last:bool)->int:
 
 def _fastai_pct(epoch:int, it:int, n_iter:int, n_epoch:int)->float:
     "`pct_train` at batch `it` of `epoch`, summed as fastai's `TrainEvalCallback` sums it (bit for bit)"
-    pct,step = epoch/n_epoch,1./(n_iter*n_epoch)
-    for _ in range(it): pct += step
-    return pct
+    return fastai_pct(epoch/n_epoch, it, n_iter, n_epoch)
 
 @functools.lru_cache(maxsize=4)   # asked at every batch of the rest: summed once
 def _rest_schedule(pct:float, # `pct_train` of the saved run's next batch

@@ -17,13 +17,9 @@ from .files import start_history, append_history
 from .state import *
 from .state import logged_histories
 from .store import is_url, locate
-from .hooks import short_refusals
-from .hooks import FitEvents, fastai_code, fit_call, is_a
+from .hooks import short_refusals, FitEvents, fastai_code, fit_call, is_a
 from .resume import *
-from .resume import world_size, read_on_rank0
-from .resume import *
-from .resume import log_owner
-from .resume import *
+from .resume import world_size, read_on_rank0, log_owner
 
 # %% auto #0
 __all__ = []

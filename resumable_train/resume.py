@@ -12,8 +12,8 @@ from .store import locate
 
 # %% auto #0
 __all__ = ['agree', 'share_checkpoint', 'patch_attrs', 'unpatch_attrs', 'allow_replay', 'fastai_like', 'loader_kind', 'check_len',
-           'check_resumable', 'loader_position', 'loader_record', 'Resumed', 'resume_point', 'checkpoint', 'SkipToIter',
-           'SeedBatches']
+           'check_resumable', 'loader_position', 'loader_record', 'Resumed', 'resume_point', 'checkpoint', 'fastai_pct',
+           'SkipToIter', 'SeedBatches']
 
 # %% ../nbs/02a_resume.ipynb #57000d75
 def world_size()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -381,8 +381,7 @@ from functools import partial
 import torch, fastai
 from fastai.torch_core import get_model
 from .files import *
-from .files import adopt_history
-from .files import log_ref
+from .files import adopt_history, log_ref
 from .state import *
 from .state import logged_histories
 from .hooks import fit_events
@@ -564,6 +563,12 @@ def _epoch_start(er, rng):
     "An epoch's starting random streams, from its `epoch_rng` (0.1.0 kept torch's only: the others from `rng`)"
     return er['rng'] if 'rng' in er else dict(rng, torch_state=er['torch'])
 
+def fastai_pct(pct:float, it:int, n_iter:int, n_epoch:int)->float:
+    "`pct_train` `it` batches after `pct`, summed as fastai's `TrainEvalCallback` sums it (bit for bit)"
+    step = 1./(n_iter*n_epoch)
+    for _ in range(it): pct += step
+    return pct
+
 class SkipToIter(Callback):
     "Fast-forward `fit` to batch `iter` of epoch `epoch`, or to the resume point `learn.load` left"
     order = 1000
@@ -595,17 +600,12 @@ class SkipToIter(Callback):
         if mbar is not None and self.start_epoch: mbar.update(0)
         self.learn.train_iter = rp['train_iter'] if rp else self.start_epoch*len(self.dls.train) + self.start_iter
 
-    def _replayed_pct(self):
-        pct,step = self.pct_train,1./(self.n_iter_train*self.n_epoch)
-        for _ in range(self.start_iter): pct += step  # the additions TrainEvalCallback makes, bit for bit
-        return pct
-
     def _keep_epoch_rng(self): self.epoch_rng = epoch_streams(self.learn)
 
     def before_train(self):
         if self.epoch != self.start_epoch or not self.start_iter: return self._keep_epoch_rng()
-        kind,rp,self.n_iter_train = loader_kind(self.dl),self.rp,len(self.dl)
-        self.learn.pct_train = rp['pct_train'] if rp else self._replayed_pct()
+        kind,rp = loader_kind(self.dl),self.rp
+        self.learn.pct_train = rp['pct_train'] if rp else fastai_pct(self.pct_train, self.start_iter, len(self.dl), self.n_epoch)
         if rp is None: self._keep_epoch_rng()
         else:
             self.epoch_rng = rp['epoch_rng']

@@ -11,8 +11,7 @@ from pathlib import Path, PurePosixPath
 import fsspec
 from fastcore.basics import patch
 from fastcore.foundation import L
-from .files import write_checkpoint, read_checkpoint, CheckpointError
-from .files import WriteCancelled, position_text
+from .files import write_checkpoint, read_checkpoint, CheckpointError, WriteCancelled, position_text
 
 # %% auto #0
 __all__ = ['Entry', 'MANIFEST', 'Store', 'LocalStore', 'StoreError', 'FsspecStore', 'is_url', 'as_store', 'locate', 'runlog_name',

@@ -182,8 +182,8 @@ def job_errors(j):
     res['file_paths'] = {k: str(v) for k,v in files.items()}
     ns = {}
     exec('from resumable_train.all import *', ns)
-    res['missing_from_all'] = [n for n in ('SkipToIter', 'SeedBatches', 'resume_point', 'CheckpointError', 'read_checkpoint',
-                                           'to_plain', 'FORMAT_VERSION') if n not in ns]
+    res['missing_from_all'] = [n for n in ('AutoResume', 'SkipToIter', 'SeedBatches', 'CheckpointError', 'read_checkpoint',
+                                           'register_state') if n not in ns]
     learn,c = build(dict(j['cfg'], hidden=12), path)
     res['model_mismatch'] = _msg(lambda: learn.load(j['ckpt']))
     learn,c = build(dict(j['cfg'], two_groups=True), path)
