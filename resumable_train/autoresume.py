@@ -359,6 +359,7 @@ class WorkerSignals:
 from functools import partial
 from pathlib import Path
 from .state import register_state
+from .hooks import is_a
 from .store import as_store
 
 # %% ../nbs/03_autoresume.ipynb #9743da74
@@ -389,8 +390,6 @@ def _open_writer(cb, log_dir, purge_step):
     _keep_embeddings(cb.writer, purge_step)
 
 # %% ../nbs/03_autoresume.ipynb #b71d7c5e
-def _is_a(o, name:str)->bool: return any(f'{c.__module__}.{c.__qualname__}' == name for c in type(o).__mro__)
-
 def resumed_at(rec:dict|None, # the record of the newest resume point of the run (`None`: none)
                fit:int, # the fit call starting now, from 0
               )->int|None:
@@ -413,11 +412,11 @@ def continue_trackers(learn, # the `Learner`
     "Make the trackers of `learn` go on from `rec`: TensorBoard in its folder, from the resumed step"
     k = resumed_at(rec, fit)
     for cb in learn.cbs:
-        if not (_is_a(cb, _TB) or _is_a(cb, _WANDB)): continue
+        if not (is_a(cb, _TB) or is_a(cb, _WANDB)): continue
         for e in ('_setup_writer', 'before_fit'): cb.__dict__.pop(e, None)
         sd = _saved(learn, rec, cb)
         if finished: cb.before_fit = partial(_off, cb)  # no new events file, no W&B step: the fit call trains nothing
-        elif sd is not None and _is_a(cb, _TB):
+        elif sd is not None and is_a(cb, _TB):
             cb._setup_writer = partial(_open_writer, cb, sd['log_dir'], None if k is None else k+1)
 
 # %% ../nbs/03_autoresume.ipynb #e8a06b10
