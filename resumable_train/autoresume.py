@@ -812,7 +812,7 @@ class AutoResume(Callback):
         self.ends = list(rec.get('ends', [])[:self.fit_index])
 
     def _load_end(self, file, i:int,
-                  after:bool=False): # for the next call: only the callbacks it shares with call `i` take their state
+                  after:bool=False): # for the next call, after a cached stage: what the cache does not hold
         "Leave the Learner as fit call `i` left it: the end state in `file`"
         try: state = read_on_rank0(file, holder_rank(self.store, file_name(file), self.src))  # a node that holds it
         except CheckpointError as e:
@@ -821,12 +821,12 @@ class AutoResume(Callback):
         rec = resume_record(state)
         if rec is None or rec.get('fit_index') != i or rec.get('epoch') is not None:
             raise self._refusal(f"AutoResume: {file} is named as the end state of fit call {i+1} but does not hold it")
-        load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)
+        # after a cached stage, the script loaded the weights and the optimizer itself, and its code since may have changed them
+        # (`freeze` clears the optimizer's state): they stay as they are
+        if not after: load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)
         # as continuing inside a fit call does (`SkipToIter`): the gradients a fit call left are state of the next one
         restore_grads(self.learn, rec)
         if after:  # callbacks of call `i` alone (its `ParamScheduler`) are gone; those new in this call start afresh
-            asked = self.learn.resume.asked  # and the optimizer has the hyperparameters this fit call set
-            for k in (asked[0] if asked else []): self.learn.opt.set_hyper(k, [h[k] for h in asked])
             now = set(callback_keys(self.learn))
             rec = dict(rec, callbacks={k:v for k,v in rec['callbacks'].items() if k in now})
         fresh = list(self.fresh_callbacks) + (sorted(set(now) - set(rec['callbacks'])) if after else [])
