@@ -825,14 +825,16 @@ class AutoResume(Callback):
         # (`freeze` clears the optimizer's state): they stay as they are
         if not after: load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)
         # as continuing inside a fit call does (`SkipToIter`): the gradients a fit call left are state of the next one
-        restore_grads(self.learn, rec)
+        rested = after and self.learn.resume.rested  # the cache held them, and the code since drew from its streams
+        if not rested: restore_grads(self.learn, rec)
         if after:  # callbacks of call `i` alone (its `ParamScheduler`) are gone; those new in this call start afresh
             now = set(callback_keys(self.learn))
             rec = dict(rec, callbacks={k:v for k,v in rec['callbacks'].items() if k in now})
         fresh = list(self.fresh_callbacks) + (sorted(set(now) - set(rec['callbacks'])) if after else [])
-        restore_streams(self.learn, rec, fresh=fresh)
+        restore_streams(self.learn, rec, dls=not rested, fresh=fresh, rng=not rested)
         self.learn.train_iter,self.learn.pct_train = rec['train_iter'],rec['pct_train']
-        for m,t in zip(self.learn.model.modules(), rec.get('train_modes', [])): m.training = t
+        if not rested:
+            for m,t in zip(self.learn.model.modules(), rec.get('train_modes', [])): m.training = t
         self.last_epoch = rec.get('last_epoch', self.n_epoch-1)
         self.ends = list(rec.get('ends', [])[:i]) + [file_name(file)]  # records of 0.1.0 have no ledger
         return rec

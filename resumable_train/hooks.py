@@ -86,6 +86,7 @@ class ResumeState:
         self.start_epoch,self.first_iter = 0,0  # the first epoch that sends events; the first batch of this epoch
         self.skipping = False  # the running fit call finished in an earlier run: it trains nothing
         self.asked = []  # the optimizer's hyperparameters as the running fit call was asked for them, by group
+        self.rested = False  # `learn.load` put back a stage's random streams and gradients (`rest_point`) since the last fit
     # `learn.export`: a Learner loaded with `load_learner` starts with no resume state
     def __getstate__(self): return {}
     def __setstate__(self, d): self.__init__()
@@ -104,7 +105,7 @@ class ResumeState:
     def begin(self, schedule:str): self.fitting,self.schedule,self.event = True,schedule,None
     def end(self):
         "The fit call ended, whatever the way"
-        self.fitting,self.skipping,self.start_epoch,self.first_iter = False,False,0,0
+        self.fitting,self.skipping,self.start_epoch,self.first_iter,self.rested = False,False,0,0,False
 
 @patch(as_prop=True)
 def resume(self:Learner)->ResumeState:

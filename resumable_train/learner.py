@@ -19,7 +19,7 @@ from .state import logged_histories
 from .store import is_url, locate
 from .hooks import short_refusals, FitEvents, fastai_code, fit_call, is_a
 from .resume import *
-from .resume import world_size, read_on_rank0, log_owner
+from .resume import world_size, read_on_rank0, log_owner, restore_rest
 
 # %% auto #0
 __all__ = []
@@ -191,6 +191,9 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
             if not _plan_resume(self, rp, elastic): _check_world(rec, file)
             self.resume.pending = rp
         else: _plan_resume(self, None, elastic)
+        if with_iter and opt and not self.resume.fitting and (rec or {}).get('rest') is not None:
+            restore_rest(self, rec['rest'])  # a stage saved between two fit calls goes on as it went on then
+            self.resume.rested = True
     return self
 Learner.load._fastai = _stock_load
 

@@ -12,8 +12,8 @@ from .store import locate
 
 # %% auto #0
 __all__ = ['agree', 'share_checkpoint', 'patch_attrs', 'unpatch_attrs', 'allow_replay', 'fastai_like', 'loader_kind', 'check_len',
-           'check_resumable', 'loader_position', 'loader_record', 'Resumed', 'resume_point', 'checkpoint', 'fastai_pct',
-           'SkipToIter', 'SeedBatches']
+           'check_resumable', 'loader_position', 'loader_record', 'Resumed', 'resume_point', 'rest_point',
+           'restore_rest', 'checkpoint', 'fastai_pct', 'SkipToIter', 'SeedBatches']
 
 # %% ../nbs/02a_resume.ipynb #57000d75
 def world_size()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -412,7 +412,8 @@ def _make_lazy_state(learn):
     getattr(learn.dls, 'n_inp', None)
 
 def restore_streams(learn, rec, dls=True,
-                     fresh=()): # callbacks that may start afresh (`load_callback_states`)
+                     fresh=(), # callbacks that may start afresh (`load_callback_states`)
+                     rng:bool=True): # the random streams too
     "Put back `learn`'s callback and module states and random streams (with `dls`, the DataLoaders') from `rec`"
     _make_lazy_state(learn)  # its draws happened before `rec` was saved: they must not shift the restored streams
     load_callback_states(learn, rec['callbacks'], fresh)
@@ -421,7 +422,7 @@ def restore_streams(learn, rec, dls=True,
     if ref: adopt_history(ref, lambda names: log_owner(logged_histories(learn), names))
     load_module_states(learn.model, rec.get('modules', {}))
     if dls: restore_dls(learn, rec)
-    set_rng_state(rec['rng'])
+    if rng: set_rng_state(rec['rng'])
 
 def epoch_streams(learn)->dict:
     "What decides an epoch's order: the random streams at its start, and the training DataLoader's `rng` and state"
@@ -465,9 +466,25 @@ def resume_point(learn)->dict|None:
         grads=_grad_states(learn))  # walked once more, these would cost more than the rest of the snapshot
 
 # %% ../nbs/02a_resume.ipynb #bcac292d
+def rest_point(learn)->dict:
+    "Between two fit calls, what the next one starts from beyond weights and optimizer: random streams, gradients, modes"
+    return dict(rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders], grads=_grad_states(learn),
+                train_modes=[m.training for m in learn.model.modules()])
+
+def restore_rest(learn, rest:dict):
+    "Put back a `rest_point`: a stage loaded from a cache goes on as the run that saved it went on"
+    _make_lazy_state(learn)  # its draws happened before the rest point was saved: they must not shift the restored streams
+    for dl,s in zip(learn.dls.loaders, rest['dl_rngs']): set_dl_rng_state(dl, s)
+    restore_grads(learn, rest)
+    for m,t in zip(learn.model.modules(), rest['train_modes']): m.training = t
+    set_rng_state(rest['rng'])
+
 def _record(learn, with_iter, extra=None):
     rp = resume_point(learn) if with_iter else None
-    return dict(rp if rp is not None else to_plain(dict(epoch=None, meta=_meta())), **to_plain(extra or {}))
+    if rp is None:  # outside a fit call: a stage that a later run may load instead of training it (`learn.load`)
+        rest = dict(rest=rest_point(learn)) if with_iter and not learn.resume.fitting and learn.opt is not None else {}
+        rp = to_plain(dict(epoch=None, meta=_meta(), **rest))
+    return dict(rp, **to_plain(extra or {}))
 
 def checkpoint(learn, with_iter:bool=True, # include the resume point
                extra:dict|None=None, # more plain values to keep in the record
