@@ -464,6 +464,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                         'resumable_train.resume._names': ('resume.html#_names', 'resumable_train/resume.py'),
                                         'resumable_train.resume._options': ('resume.html#_options', 'resumable_train/resume.py'),
                                         'resumable_train.resume._own_state': ('resume.html#_own_state', 'resumable_train/resume.py'),
+                                        'resumable_train.resume._plain_default': ( 'resume.html#_plain_default',
+                                                                                   'resumable_train/resume.py'),
                                         'resumable_train.resume._record': ('resume.html#_record', 'resumable_train/resume.py'),
                                         'resumable_train.resume._refuse': ('resume.html#_refuse', 'resumable_train/resume.py'),
                                         'resumable_train.resume._seed_patches': ('resume.html#_seed_patches', 'resumable_train/resume.py'),

@@ -466,10 +466,16 @@ def resume_point(learn)->dict|None:
         grads=_grad_states(learn))  # walked once more, these would cost more than the rest of the snapshot
 
 # %% ../nbs/02a_resume.ipynb #bcac292d
+_DEFAULTS = ('lr', 'wd', 'moms', 'wd_bn_bias', 'train_bn')  # the Learner's defaults a fit call takes when it is not given them
+
+def _plain_default(v)->bool:
+    return v is None or isinstance(v, (bool, int, float)) or isinstance(v, tuple) and all(isinstance(x, (int, float)) for x in v)
+
 def rest_point(learn)->dict:
     "Between two fit calls, what the next one starts from beyond weights and optimizer: random streams, gradients, modes"
     return dict(rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders], grads=_grad_states(learn),
-                train_modes=[m.training for m in learn.model.modules()])
+                train_modes=[m.training for m in learn.model.modules()],
+                defaults={k: v for k in _DEFAULTS if _plain_default(v := getattr(learn, k, None))})
 
 def restore_rest(learn, rest:dict):
     "Put back a `rest_point`: a stage loaded from a cache goes on as the run that saved it went on"
@@ -477,6 +483,7 @@ def restore_rest(learn, rest:dict):
     for dl,s in zip(learn.dls.loaders, rest['dl_rngs']): set_dl_rng_state(dl, s)
     restore_grads(learn, rest)
     for m,t in zip(learn.model.modules(), rest['train_modes']): m.training = t
+    for k,v in rest.get('defaults', {}).items(): setattr(learn, k, tuple(v) if isinstance(v, list) else v)  # `learn.lr = ...`
     set_rng_state(rest['rng'])
 
 def _record(learn, with_iter, extra=None):
