@@ -477,7 +477,7 @@ from .store import *
 from .state import *
 from .state import qualname
 from .resume import *
-from .hooks import hide_probes, hide_progress, refuse_fastai_ddp
+from .hooks import hide_probes, hide_progress
 from .resume import read_on_rank0, restore_streams, restore_grads, fit_position, SeedBatches
 from .fitcalls import run_setup, setup_diff, fit_plan, check_plan, FitCalls, run_state, start_digest
 from .learner import *
@@ -647,7 +647,6 @@ class AutoResume(Callback):
         self._idle()  # every fit call starts from the same state: no signal noted, nothing decided
         self.state = 'looking'
         try:
-            refuse_fastai_ddp(self.learn)
             hide_probes(self.learn)
             check_resumable(self.dls.train)
             if self.replay: allow_replay(self.dls.train)

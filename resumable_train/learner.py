@@ -17,7 +17,7 @@ from .files import start_history, append_history
 from .state import *
 from .state import logged_histories
 from .store import is_url, locate
-from .hooks import short_refusals, FitEvents, fastai_code, fit_call, is_a
+from .hooks import short_refusals, FitEvents, fastai_code, fit_call, is_a, when_imported
 from .resume import *
 from .resume import world_size, read_on_rank0, log_owner, restore_rest
 
@@ -241,3 +241,9 @@ def load_through(learn, file, **kwargs):
         raise
     if _loads == before: raise bypassed(learn, 'load')
     return learn
+
+# %% ../nbs/02b_learner.ipynb #fa5t0003
+import importlib
+# fastai's own `DistributedTrainer` saves and loads through `distributed`, which imports this module: it is imported once
+# `fastai.distributed` is, last here so that this module is whole by then (the user may have imported fastai.distributed first)
+when_imported('fastai.distributed', lambda m: importlib.import_module('resumable_train.distributed'))
