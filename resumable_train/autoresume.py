@@ -481,7 +481,7 @@ from .hooks import hide_probes, hide_progress
 from .resume import read_on_rank0, restore_streams, restore_grads, fit_position, SeedBatches
 from .fitcalls import run_setup, setup_diff, fit_plan, check_plan, FitCalls, run_state, start_digest
 from .learner import *
-from .learner import log_history, load_through, bypassed
+from .learner import log_history, load_through, bypassed, plan_resume
 from .store import RunLog, point_at
 
 # %% ../nbs/03_autoresume.ipynb #9180fd52
@@ -698,6 +698,10 @@ class AutoResume(Callback):
         if rec['fit_index'] == i:
             self._hypers_changed(rec.get('plan'), plan, file,
                                  "they apply from that resume point on, so the result matches neither run")
+            # another number of processes: refused here, before fastai prints, if the trainer cannot continue it
+            if self.elastic:
+                try: plan_resume(self.learn, dict(rec, file=str(file)), True)
+                except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
             return ('continue', file, rec, state)
         if (rec['fit_index'], rec['epoch'] is None) != (i-1, True):
             raise self._refusal(f"AutoResume: the newest resume point in {self.folder} is at {_describe(rec)}, but "

@@ -214,17 +214,18 @@ def _start_gate(self:RankGate):
             if _rank0_only(cb, self.rank0_cbs): cb.run = False
     self.fitting,self.stop,self.gate_secs,self.null = True,False,0.,open(os.devnull, 'w')
     self.dispatch,learn._call_one = learn._call_one,self._call
+    self.learn_backward,learn._backward = learn._backward,self._gated_backward
 
 @patch
 def _release(self:RankGate):
     "The learner's own event dispatch back, once the fit call ends"
     if not self.fitting: return
-    self.learn.__dict__.pop('_call_one', None)
+    for n in ('_call_one','_backward'): self.learn.__dict__.pop(n, None)
     self.null.close()
     self.fitting = False
 
 @patch
-def _backward(self:DDPTrainer): self._collective(self.learn_backward, 'all-reduce the gradients')
+def _gated_backward(self:RankGate): self._collective(self.learn_backward, 'all-reduce the gradients')
 
 @patch
 def _to_detach(self:DDPTrainer, b, cpu=True, gather=True):
@@ -254,7 +255,6 @@ def before_fit(self:DDPTrainer):
     for dl,s in zip(learn.dls.loaders, states): set_dl_rng_state(dl, s)
     learn.dls.loaders = [shard(learn.dls.train, self.rank, self.world_size), *learn.dls.loaders[1:]]
     self._start_gate()
-    self.learn_backward,learn._backward = learn._backward,self._backward
 
 @patch
 def _cleanup(self:DDPTrainer):
@@ -263,7 +263,6 @@ def _cleanup(self:DDPTrainer):
     learn = self.learn
     learn.model,learn.dls.loaders,learn.logger = self.old['model'],self.old['loaders'],self.old['logger']
     self.ddp = None  # its reducer holds the process group: freed now, not in the teardown (see `_leave_group`)
-    learn.__dict__.pop('_backward', None)
     self._release()
 
 @patch

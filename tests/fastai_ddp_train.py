@@ -14,7 +14,7 @@ p.add_argument('--model', default='mlp', choices=['mlp', 'xresnet'])   # a digit
 p.add_argument('--fit', default='one_cycle', choices=['one_cycle', 'fine_tune'])
 p.add_argument('--every', type=int, default=2)         # AutoResume(every_iter=...); 0: at epoch ends only
 p.add_argument('--kill-rank', type=int, default=-1)    # SIGKILL this rank (-2: every rank) ...
-p.add_argument('--kill-at', type=int, default=-1)      # ... after this training batch (train_iter)
+p.add_argument('--kill-at', type=int, default=-1)      # ... after this training batch (counted over the fit calls)
 p.add_argument('--mark-at', type=int, default=-1)      # rank 0 writes OUT/marker after this training batch ...
 p.add_argument('--sleep', type=float, default=0.)      # ... and from then on sleeps this long after each batch
 p.add_argument('--elastic', action='store_true')      # AutoResume(elastic=True)
@@ -36,13 +36,16 @@ def mlp():
     from sklearn.datasets import load_digits
     x,y = load_digits(return_X_y=True)
     x,y = torch.tensor(x[:300], dtype=torch.float32)/16,torch.tensor(y[:300])
-    dls = DataLoaders.from_dsets(list(zip(x[:230], y[:230])), list(zip(x[230:], y[230:])), bs=32, num_workers=0)   # 230: not a multiple of 2*32
+    # 255 samples: padded to 256 on 2 ranks, 4 batches of 32 each (DistributedDL's length, which counts its batches before padding,
+    # is then the number it yields)
+    dls = DataLoaders.from_dsets(list(zip(x[:255], y[:255])), list(zip(x[255:], y[255:])), bs=32, num_workers=0)
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 10))
     return Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy)
 
 def xresnet():
     from fastai.vision.all import ImageDataLoaders, RandomResizedCrop, vision_learner, xresnet18
-    dls = ImageDataLoaders.from_folder(digits_folder(out.parent/'digits', n=8), bs=8, item_tfms=RandomResizedCrop(16, min_scale=0.5),
+    # 60 images: 5 batches of 6 on each of 2 ranks
+    dls = ImageDataLoaders.from_folder(digits_folder(out.parent/'digits', n=8), bs=6, item_tfms=RandomResizedCrop(16, min_scale=0.5),
                                        num_workers=0)
     return vision_learner(dls, partial(xresnet18, widen=0.25), pretrained=False, metrics=accuracy, lr=1e-3)
 
@@ -50,9 +53,10 @@ class Test(Callback):
     order = AutoResume.order+1
     def after_batch(self):
         if not self.training: return
-        if rank == 0 and self.train_iter == args.mark_at: (out/'marker').touch()
-        if args.sleep and self.train_iter >= args.mark_at >= 0: time.sleep(args.sleep)
-        if args.kill_rank in (rank, -2) and self.train_iter == args.kill_at: os.kill(os.getpid(), signal.SIGKILL)
+        step = self.learn.auto_resume.fit_index*len(self.dls.train) + self.train_iter   # counted over fine_tune's two fit calls
+        if rank == 0 and step == args.mark_at: (out/'marker').touch()
+        if args.sleep and step >= args.mark_at >= 0: time.sleep(args.sleep)
+        if args.kill_rank in (rank, -2) and step == args.kill_at: os.kill(os.getpid(), signal.SIGKILL)
 
 set_seed(0)
 learn = (mlp if args.model == 'mlp' else xresnet)()
