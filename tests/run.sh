@@ -44,7 +44,7 @@ lowest() {
   local v=$(PYTHONPATH="$low:$PYTHONPATH" python -c 'import fastai; print(fastai.__version__)')
   PYTHONPATH="$low:$PYTHONPATH" block 4 "the tabular and collab tests again, on fastai $v" tests/test_apps.py -k 'tabular or collab'
 }
-apart=(tests/test_multinode.py tests/test_distributed.py tests/test_elastic.py)
+apart=(tests/test_multinode.py tests/test_distributed.py tests/test_elastic.py tests/test_fastai_ddp.py)
 later=(tests/test_remote.py tests/test_cli.py tests/test_group_signal.py)
 block 1 "torchrun and process groups" "${apart[@]}" & pytest1_pid=$!
 { block 2 "the other test files" tests "${apart[@]/#/--ignore=}" "${later[@]/#/--ignore=}" && lowest; } & pytest2_pid=$!

@@ -51,16 +51,16 @@ def test_kill_every_rank_twice(forker, tmp_path, model, fit):
     assert_same(results(ref), results(run))
 
 def test_kill_one_rank(forker, tmp_path):
-    "One rank SIGKILLed: the other stops with a clear error within its timeout; relaunched with torchrun, bitwise the uninterrupted run"
+    "`to_fp16()` under fastai's trainer, one rank SIGKILLed: the other stops with a clear error within its timeout; relaunched with torchrun, bitwise the uninterrupted run"
     ref,run = tmp_path/'ref',tmp_path/'run'
-    ranks(forker, ref)
-    ps = start_ranks(forker, run, '--kill-rank', '1', '--kill-at', '5', '--mark-at', '4', script=SCRIPT, env=CPU)
+    ranks(forker, ref, '--fp16')
+    ps = start_ranks(forker, run, '--fp16', '--kill-rank', '1', '--kill-at', '5', '--mark-at', '4', script=SCRIPT, env=CPU)
     wait_for(run/'marker', lambda: all(q.poll() is None for q in ps), 90)
     t = time.monotonic()
     res = wait_ranks(ps, 60)
     assert res[1][0] == -signal.SIGKILL and res[0][0] not in (0, -signal.SIGKILL) and time.monotonic() - t < TIMEOUT + 10, why(res)
     assert 'rank 0 of 2 could not' in res[0][1], why(res)
-    p = start([PY, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(SCRIPT), str(run), '--timeout', str(TIMEOUT)],
+    p = start([PY, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(SCRIPT), str(run), '--timeout', str(TIMEOUT), '--fp16'],
               env=CPU)
     rc,o,e = finish(p, 120)
     assert rc == 0 and 'AutoResume: continuing from' in o, (o+e)[-3000:]
