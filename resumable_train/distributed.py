@@ -470,7 +470,7 @@ def _block_setup(self, dl, ws:int)->dict:
 def _adopt_fastai_ddp(module):
     "Make fastai's `DistributedTrainer` a `RankGate`, and its `DistributedDL` resumable and able to run on CPU"
     DT,DDL = module.DistributedTrainer,module.DistributedDL
-    if RankGate in DT.__mro__: return
+    if any(c.__name__ == 'RankGate' for c in DT.__mro__): return  # adopted already (by this module, or a notebook's copy of it)
     # the one class whose bases the package changes, and why: `to_distributed` builds fastai's class, so a subclass would
     # never be used; as a `RankGate` it keeps fastai's own methods (model, loaders, Accelerate) and gains the gate and the state
     DT.__bases__ = (RankGate, *DT.__bases__)
