@@ -474,7 +474,7 @@ def _adopt_fastai_ddp(module):
     # the one class whose bases the package changes, and why: `to_distributed` builds fastai's class, so a subclass would
     # never be used; as a `RankGate` it keeps fastai's own methods (model, loaders, Accelerate) and gains the gate and the state
     DT.__bases__ = (RankGate, *DT.__bases__)
-    DT.who,DT.inside_epoch,DT.timeout = 'DistributedTrainer',False,None
+    DT.who,DT.inside_epoch = 'DistributedTrainer',False
     DT.active = property(lambda self: _group())
     DT.rank = property(lambda self: dist.get_rank() if _group() else 0)
     DT.world_size = property(lambda self: dist.get_world_size() if _group() else 1)
