@@ -1,7 +1,7 @@
 """A tiny training script under fastai's own `DistributedTrainer` (`with learn.distrib_ctx(): ...`), with `AutoResume`, for
 test_fastai_ddp.py: launch it with `torchrun --standalone --nproc_per_node=2 fastai_ddp_train.py OUT ...` or
-`accelerate launch --multi_cpu --num_processes 2 fastai_ddp_train.py OUT ...` (or fork its ranks). Each rank writes OUT/rank{R}.pt with
-its final weights, optimizer state and Recorder values."""
+`accelerate launch --multi_gpu --num_processes 2 fastai_ddp_train.py OUT ...` (on a CPU with `ACCELERATE_USE_CPU=1`), or fork its
+ranks. Each rank writes OUT/rank{R}.pt with its final weights, optimizer state, Recorder values and the files it wrote while training."""
 import argparse, os, signal, sys, time
 from functools import partial
 from pathlib import Path
@@ -31,6 +31,8 @@ from datetime import timedelta
 from accelerate.utils import InitProcessGroupKwargs
 from resumable_train.autoresume import AutoResume
 from apps_script import digits_folder
+from helpers import Writes
+writes = Writes()   # the files this rank writes while training
 
 def mlp():
     from sklearn.datasets import load_digits
@@ -64,6 +66,7 @@ learn.path = out/'run'
 torch.manual_seed(1000 + rank)   # each rank its own random streams (dropout, augmentations), which a resume must give back to each
 learn.add_cbs([Test(), AutoResume(every_iter=args.every or None, elastic=args.elastic)])
 if args.fp16: learn.to_fp16()
+writes.on = True
 try:
     # SyncBatchNorm needs CUDA: on a CPU, sync_bn=False
     with learn.distrib_ctx(sync_bn=torch.cuda.is_available(), kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))]):
@@ -72,6 +75,7 @@ try:
 except SystemExit as e:
     (out/f'exit{rank}').write_text(f'{e.code} {learn.train_iter}')   # this rank's status and batch
     raise
-res = dict(model={k: v.clone() for k, v in learn.model.state_dict().items()}, opt=learn.opt.state_dict(),
+writes.on = False
+res = dict(writes=list(writes), model={k: v.clone() for k, v in learn.model.state_dict().items()}, opt=learn.opt.state_dict(),
            values=learn.recorder.values, lrs=learn.recorder.lrs, train_iter=learn.train_iter, trained=learn.auto_resume.resumed_iter)
 torch.save(res, out/f'rank{rank}.pt')
