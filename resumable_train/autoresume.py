@@ -824,6 +824,9 @@ class AutoResume(Callback):
         rec = resume_record(state)
         if rec is None or rec.get('fit_index') != i or rec.get('epoch') is not None:
             raise self._refusal(f"AutoResume: {file} is named as the end state of fit call {i+1} but does not hold it")
+        if self.elastic:  # perhaps written on another number of processes: its trainer's state as this run's trainer (or none) takes it
+            rec = dict(rec, file=str(file))
+            plan_resume(self.learn, rec, True)
         # after a cached stage, the script loaded the weights and the optimizer itself, and its code since may have changed them
         # (`freeze` clears the optimizer's state): they stay as they are
         if not after: load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)

@@ -20,6 +20,7 @@ p.add_argument('--sleep', type=float, default=0.)      # ... and from then on sl
 p.add_argument('--elastic', action='store_true')      # AutoResume(elastic=True)
 p.add_argument('--fp16', action='store_true')          # learn.to_fp16()
 p.add_argument('--timeout', type=float, default=20)    # seconds a rank waits for the others in a collective call
+p.add_argument('--nodes', default='shared', choices=['shared', 'own', 'swapped'])   # one run folder, or each rank its own (run0, run1)
 args = p.parse_args()
 out = Path(args.out); (out/'run').mkdir(parents=True, exist_ok=True)
 rank = int(os.environ.get('RANK', 0))
@@ -62,7 +63,8 @@ class Test(Callback):
 
 set_seed(0)
 learn = (mlp if args.model == 'mlp' else xresnet)()
-learn.path = out/'run'
+# each rank a node without a shared disk: its own folder, or the other rank's (rank 0 relaunched on the other node)
+learn.path = out/('run' if args.nodes == 'shared' else f"run{rank if args.nodes == 'own' else 1-rank}")
 torch.manual_seed(1000 + rank)   # each rank its own random streams (dropout, augmentations), which a resume must give back to each
 learn.add_cbs([Test(), AutoResume(every_iter=args.every or None, elastic=args.elastic)])
 if args.fp16: learn.to_fp16()

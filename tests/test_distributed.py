@@ -16,8 +16,8 @@ TIMEOUT = 20  # the process-group timeout the script gives DDPTrainer
 def start_ranks(forker, out, *args, n=2, script=SCRIPT, env=None):
     "Fork `n` ranks of `script` (dist_train.py), with the environment torchrun gives its workers (and `env`)"
     port = free_port()
-    renv = lambda r: dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port),
-                          **(env or {}))
+    renv = lambda r: {**dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port)),
+                      **(env or {})}
     return [forker.start(script, out, '--timeout', TIMEOUT, *args, env=renv(r)) for r in range(n)]
 
 def wait_ranks(ps, timeout=120)->list:

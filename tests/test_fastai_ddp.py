@@ -67,6 +67,18 @@ def test_kill_one_rank(forker, tmp_path):
     assert rc == 0 and 'AutoResume: continuing from' in o, (o+e)[-3000:]
     assert_same(results(ref), results(run))
 
+def test_two_nodes_without_shared_disk(forker, tmp_path):
+    "Each rank a node with its own folder: every rank killed, then relaunched with rank 0 on the node that holds no resume point: the newest is sent to it, and the run ends bitwise as the uninterrupted one"
+    ref,run = tmp_path/'ref',tmp_path/'run'
+    ranks(forker, ref)
+    nodes = dict(CPU, LOCAL_RANK='0')   # two nodes of one process each: both look in their own folder
+    res = wait_ranks(start_ranks(forker, run, '--nodes', 'own', '--kill-rank', '-2', '--kill-at', '6', script=SCRIPT, env=nodes))
+    assert all(rc == -signal.SIGKILL for rc,_ in res), why(res)
+    assert list((run/'run0'/'models').glob('*.pth')) and not list((run/'run1').rglob('*.pth'))   # rank 0 wrote them, on its node
+    res = wait_ranks(start_ranks(forker, run, '--nodes', 'swapped', script=SCRIPT, env=nodes))
+    assert all(rc == 0 for rc,_ in res) and 'AutoResume: continuing from' in res[0][1], why(res)
+    assert_same(results(ref), results(run))
+
 def test_sigterm_every_process_accelerate(forker, tmp_path):
     "SIGTERM to every process of an `accelerate launch` job, as Slurm sends it: both ranks stop at the same batch with 143; relaunched the same way, bitwise the uninterrupted run"
     ref,run = tmp_path/'ref',tmp_path/'run'
@@ -116,6 +128,15 @@ def test_elastic(forker, tmp_path):
     got = results(run)
     assert got[0]['train_iter'] == n1 + n2 and got[0]['lrs'][-1] == r2['lrs'][-1], (got[0]['train_iter'], n1, n2)
     assert_same([got[0]], [got[1]])
+    # fine_tune, 2 -> 1 from the end of its first fit call: the completed call's end, written on 2 processes, loads on 1
+    ft = ('--fit', 'fine_tune', '--every', '0')
+    rc,o = forker.run(SCRIPT, one/'ft', *ft, timeout=120)
+    assert rc == 0, o[-3000:]
+    ranks(forker, run/'ft', *ft, '--kill-rank', '-2', '--kill-at', '6', ok=False)
+    rc,o = forker.run(SCRIPT, run/'ft', *ft, '--elastic', timeout=120)
+    assert rc == 0 and 'fit call 1 finished in an earlier run' in o, o[-3000:]
+    (ft1,),(got,) = results(one/'ft', 1),results(run/'ft', 1)
+    assert got['train_iter'] == ft1['train_iter'] and got['lrs'][-1] == ft1['lrs'][-1], (got['train_iter'], ft1['train_iter'])
     # 1 -> 2 inside an epoch: fastai's trainer on the new size refuses it, with the reason
     for f in (run/'run'/'models').glob('*'): f.unlink()
     rc,o = forker.run(SCRIPT, run, '--kill-rank', '0', '--kill-at', str(n1+3), timeout=120)
