@@ -512,6 +512,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                     'resumable_train/resume.py'),
                                         'resumable_train.resume.loader_record': ('resume.html#loader_record', 'resumable_train/resume.py'),
                                         'resumable_train.resume.log_owner': ('resume.html#log_owner', 'resumable_train/resume.py'),
+                                        'resumable_train.resume.name_trainer': ('resume.html#name_trainer', 'resumable_train/resume.py'),
                                         'resumable_train.resume.patch_attrs': ('resume.html#patch_attrs', 'resumable_train/resume.py'),
                                         'resumable_train.resume.read': ('resume.html#read', 'resumable_train/resume.py'),
                                         'resumable_train.resume.read_on_rank0': ('resume.html#read_on_rank0', 'resumable_train/resume.py'),

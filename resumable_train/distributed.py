@@ -83,7 +83,7 @@ from .state import *
 from .state import metric_state, set_metric_state, qualname
 from .resume import *
 from .resume import (world_size, group_device, collective, give_up, comm_failure, CollectiveError, fastai_pct, watch_peers,
-    stop_watching, seeded, SkipToIter, fit_position)
+    stop_watching, name_trainer, seeded, SkipToIter, fit_position)
 from .learner import *
 from .learner import world_error
 from .hooks import is_a, when_imported
@@ -179,6 +179,7 @@ class DDPTrainer(RankGate, Callback):
         self.timeout,self.rank0_cbs,self.ddp_kwargs = timeout,tuple(rank0_cbs),ddp_kwargs
         self.active = init_distributed(timeout)
         self.rank,self.world_size = (dist.get_rank(),dist.get_world_size()) if self.active else (0,1)
+        name_trainer(self.who)
 
 # %% ../nbs/04_distributed.ipynb #f0d0d851
 DistributedTrainer = DDPTrainer  # 0.2.0's name, importable by name only: outside `__all__`, it shadows nothing
@@ -455,7 +456,7 @@ _FASTAI_DL = 'fastai.distributed.DistributedDL'
 def _broadcast_idxs(self, t, rank):
     "fastai's `DistributedDL._broadcast` on the process group's own device (fastai's moves it to CUDA, which gloo cannot use)"
     t = torch.LongTensor(t).to(group_device())
-    collective(lambda: dist.broadcast(t, rank), "receive rank 0's data order", 'DistributedTrainer')
+    collective(lambda: dist.broadcast(t, rank), "receive rank 0's data order")
     return t.cpu().tolist()
 
 def _block_position(self)->int|None:
@@ -474,12 +475,18 @@ def _adopt_fastai_ddp(module):
     # the one class whose bases the package changes, and why: `to_distributed` builds fastai's class, so a subclass would
     # never be used; as a `RankGate` it keeps fastai's own methods (model, loaders, Accelerate) and gains the gate and the state
     DT.__bases__ = (RankGate, *DT.__bases__)
-    DT.who,DT.inside_epoch = 'DistributedTrainer',False
+    DT.who,DT.inside_epoch = 'DistributedTrainer (fastai)',False
     DT.active = property(lambda self: _group())
     DT.rank = property(lambda self: dist.get_rank() if _group() else 0)
     DT.world_size = property(lambda self: dist.get_world_size() if _group() else 1)
     DT._epoch_position,DT._shard_setup,DT._cleanup = _block_position,_block_setup,RankGate._release
-    fastai_before_fit = DT.before_fit
+    fastai_init,fastai_before_fit = DT.__init__,DT.before_fit
+    @functools.wraps(fastai_init)
+    def __init__(self, *args, **kwargs):
+        "fastai's `__init__` (where Accelerate joins the process group); then collective errors name this trainer"
+        fastai_init(self, *args, **kwargs)
+        name_trainer(self.who)
+    DT.__init__ = __init__
     def before_fit(self):
         "fastai's `before_fit`; then, in a fit call, the gate"
         self._cleanup()  # a fit call that ended in an exception left it

@@ -36,8 +36,10 @@ def comm_failure(e:BaseException)->bool:
     return isinstance(e, RuntimeError) and any(w in str(e) for w in _WORDS)
 
 class _Peers:
-    "This process's side of the group's stops: the store and timeout, the first failure, the calls in progress"
-    def __init__(self): self.store,self.timeout,self.failed,self.depth,self.done = None,None,None,0,threading.Event()
+    "This process's side of the group's stops: the store and timeout, the trainer in use, the first failure, the calls in progress"
+    def __init__(self):
+        self.store,self.timeout,self.failed,self.depth,self.done = None,None,None,0,threading.Event()
+        self.who = 'resumable_train'  # the trainer in use, which begins the errors (`name_trainer`); none named: the package
 
     def rank(self)->tuple:
         return (dist.get_rank(),dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0,1)
@@ -71,9 +73,13 @@ _peers = _Peers()
 
 
 # %% ../nbs/02a_resume.ipynb #c28a0004
+def name_trainer(who:str):
+    "Begin this process's collective errors with `who`, the trainer in use (each trainer names itself when it is made)"
+    _peers.who = who
+
 def collective(f, # the collective call, without arguments
                what:str, # what it does, for the error: "agree on whether to stop"
-               who:str='DDPTrainer', # whose process group it is, for the error (`init_distributed` joins it)
+               who:str|None=None, # whose process group it is, for the error; by default the trainer in use (`name_trainer`)
               ):
     "`f()`; if it fails, this rank gives up (one `CollectiveError`) and tells the others; nested, the outermost does"
     if _peers.failed is not None: raise CollectiveError(_peers.failed)
@@ -81,12 +87,12 @@ def collective(f, # the collective call, without arguments
     try: return f()
     except Exception as e:
         if _peers.depth > 1 or isinstance(e, CollectiveError) or not comm_failure(e): raise
-        raise _peers.give_up(what, who) from e
+        raise _peers.give_up(what, who or _peers.who) from e
     finally: _peers.depth -= 1
 
-def give_up(what:str, who:str='DDPTrainer')->CollectiveError:
+def give_up(what:str, who:str|None=None)->CollectiveError:
     "The error of this rank giving up, after a collective call outside `collective` failed; the other ranks are told"
-    return _peers.give_up(what, who)
+    return _peers.give_up(what, who or _peers.who)
 
 def _stop_process(msg:str):
     "Say `msg` and end this process now: its group is broken, and its main thread may be anywhere (validating, writing)"

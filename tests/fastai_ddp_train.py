@@ -17,6 +17,7 @@ p.add_argument('--kill-rank', type=int, default=-1)    # SIGKILL this rank (-2: 
 p.add_argument('--kill-at', type=int, default=-1)      # ... after this training batch (counted over the fit calls)
 p.add_argument('--mark-at', type=int, default=-1)      # rank 0 writes OUT/marker after this training batch ...
 p.add_argument('--sleep', type=float, default=0.)      # ... and from then on sleeps this long after each batch
+p.add_argument('--hold', action='store_true')         # ... or there waits (at most 60 s) for a stop signal (the ranks then stop at the next)
 p.add_argument('--elastic', action='store_true')      # AutoResume(elastic=True)
 p.add_argument('--fp16', action='store_true')          # learn.to_fp16()
 p.add_argument('--timeout', type=float, default=20)    # seconds a rank waits for the others in a collective call
@@ -57,7 +58,10 @@ class Test(Callback):
     def after_batch(self):
         if not self.training: return
         step = self.learn.auto_resume.fit_index*len(self.dls.train) + self.train_iter   # counted over fine_tune's two fit calls
-        if rank == 0 and step == args.mark_at: (out/'marker').touch()
+        if rank == 0 and step == args.mark_at:
+            (out/'marker').touch()
+            end = time.monotonic() + 60
+            while args.hold and not self.learn.auto_resume.stop_signals.signum and time.monotonic() < end: time.sleep(0.02)
         if args.sleep and step >= args.mark_at >= 0: time.sleep(args.sleep)
         if args.kill_rank in (rank, -2) and step == args.kill_at: os.kill(os.getpid(), signal.SIGKILL)
 
@@ -74,8 +78,8 @@ try:
     with learn.distrib_ctx(sync_bn=torch.cuda.is_available(), kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout))]):
         if args.fit == 'one_cycle': learn.fit_one_cycle(2, 1e-2)
         else: learn.fine_tune(1, freeze_epochs=1)
-except SystemExit as e:
-    (out/f'exit{rank}').write_text(f'{e.code} {learn.train_iter}')   # this rank's status and batch
+except (SystemExit, KeyboardInterrupt) as e:   # a stop by a signal: 128+signal, or Ctrl-C's KeyboardInterrupt
+    (out/f'exit{rank}').write_text(f"{getattr(e, 'code', 'KeyboardInterrupt')} {learn.train_iter}")   # this rank's status and batch
     raise
 writes.on = False
 res = dict(writes=list(writes), model={k: v.clone() for k, v in learn.model.state_dict().items()}, opt=learn.opt.state_dict(),

@@ -1,7 +1,7 @@
 """fastai's own `DistributedTrainer` (`with learn.distrib_ctx(): ...`, over Accelerate) with `AutoResume`, two ranks on CPU (gloo):
-killed on every rank twice, on one rank, SIGTERM to every process (as Slurm sends it), another number of processes. The ranks are
-children forked from the test process as in test_distributed.py; the two launchers, `torchrun` and `accelerate launch`, are real.
-Every launch is bounded and its processes killed on timeout."""
+killed on every rank twice, on one rank, Ctrl-C (SIGINT to every rank), SIGTERM to every process (as Slurm sends it), another
+number of processes. The ranks are children forked from the test process as in test_distributed.py; the two launchers, `torchrun`
+and `accelerate launch`, are real. Every launch is bounded and its processes killed on timeout."""
 import os, signal, time
 import pytest
 from helpers import PY, TESTS, start, finish, diff_values
@@ -34,15 +34,29 @@ def assert_same(ref, got):
 
 @pytest.mark.parametrize('model,fit', [('mlp', 'one_cycle'), ('xresnet', 'fine_tune')])
 def test_kill_every_rank_twice(forker, tmp_path, model, fit):
-    "SIGKILL of every rank at one batch, twice, then relaunched: bitwise the uninterrupted 2-rank run; a rerun after the end trains 0"
+    "SIGKILL of every rank at one batch, Ctrl-C at another, SIGKILL again, then relaunched: bitwise the uninterrupted 2-rank run; a rerun after the end trains 0"
     a = ('--model', model, '--fit', fit)
     ref,run = tmp_path/'ref',tmp_path/'run'
     ranks(forker, ref, *a)
     r0,r1 = results(ref)
     assert any('autoresume-' in f for f in r0['writes']) and not [f for f in r1['writes'] if f.startswith(str(ref/'run'))], r1['writes']
-    for at in (3, 7):   # epoch 1 batch 3 (fine_tune: of the frozen call), then epoch 2 batch 3 (mlp; fine_tune: its unfrozen call, batch 2)
-        res = ranks(forker, run, *a, '--kill-rank', '-2', '--kill-at', str(at), ok=False)
-        assert all(rc == -signal.SIGKILL for rc,_ in res), why(res)
+    kill = lambda at: ranks(forker, run, *a, '--kill-rank', '-2', '--kill-at', str(at), ok=False)
+    res = kill(3)   # epoch 1 batch 3 (fine_tune: of the frozen call)
+    assert all(rc == -signal.SIGKILL for rc,_ in res), why(res)
+    # Ctrl-C: SIGINT to every rank while rank 0 waits after batch 5 (rank 1 waits for it in the gate): both stop where they next
+    # agree, after epoch 2 batch 2 (fine_tune: at the end of its frozen call's epoch), and end as Python ends on Ctrl-C: killed by SIGINT
+    ps = start_ranks(forker, run, *a, '--mark-at', '5', '--hold', script=SCRIPT, env=CPU)
+    wait_for(run/'marker', lambda: all(q.poll() is None for q in ps), 90)
+    for q in ps: q.send_signal(signal.SIGINT)
+    res = wait_ranks(ps, 60)
+    assert all(rc == -signal.SIGINT for rc,_ in res), why(res)
+    assert res[0][1].count('AutoResume: stopped by SIGINT at') == 1 and 'stopped by SIGINT' not in res[1][1], why(res)   # rank 0 alone speaks
+    exits = [(run/f'exit{r}').read_text().split() for r in (0, 1)]
+    assert exits[0] == exits[1] and exits[0][0] == 'KeyboardInterrupt', exits
+    f,state = newest_valid(run/'run'/'models')
+    assert resume_record(state)['train_iter'] == int(exits[0][1]), (f, exits)
+    res = kill(7)   # from there: epoch 2 batch 3 (fine_tune: its unfrozen call, batch 2)
+    assert all(rc == -signal.SIGKILL for rc,_ in res), why(res)
     res = ranks(forker, run, *a)
     assert 'AutoResume: continuing from' in res[0][1] and 'continuing' not in res[1][1], why(res)   # rank 0 alone speaks
     assert_same(results(ref), results(run))
@@ -60,7 +74,7 @@ def test_kill_one_rank(forker, tmp_path):
     t = time.monotonic()
     res = wait_ranks(ps, 60)
     assert res[1][0] == -signal.SIGKILL and res[0][0] not in (0, -signal.SIGKILL) and time.monotonic() - t < TIMEOUT + 10, why(res)
-    assert 'rank 0 of 2 could not' in res[0][1], why(res)
+    assert 'DistributedTrainer (fastai): rank 0 of 2 could not' in res[0][1] and 'DDPTrainer' not in res[0][1], why(res)   # the trainer in use
     p = start([PY, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(SCRIPT), str(run), '--timeout', str(TIMEOUT), '--fp16'],
               env=CPU)
     rc,o,e = finish(p, 120)
