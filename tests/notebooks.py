@@ -173,6 +173,7 @@ def main():
     quiet_library_warnings()  # installed libraries' warnings that the package does not cause, as in pytest
     import nbdev.test, IPython, torch, pandas, matplotlib.pyplot, PIL.Image, fastcore.all, fastprogress.fastprogress  # once, for the forks
     import fastai.basics, fastai.callback.all, fastai.text.all, fastai.tabular.all, fastai.vision.all  # fastai too (see the docstring)
+    import gc; gc.freeze()  # what is imported stays shared with the forks: their collections do not touch it (see forked.py)
     todo,running,failed = sorted(nbs, key=lambda n: -n.stat().st_size),{},0  # the longest first
     while todo or running:
         while todo and len(running) < a.jobs:
