@@ -12,7 +12,7 @@ from .store import locate
 
 # %% auto #0
 __all__ = ['agree', 'share_checkpoint', 'patch_attrs', 'unpatch_attrs', 'allow_replay', 'fastai_like', 'loader_kind', 'check_len',
-           'check_resumable', 'loader_position', 'loader_record', 'Resumed', 'resume_point', 'rest_point',
+           'check_resumable', 'loader_position', 'loader_record', 'replayed', 'Resumed', 'resume_point', 'rest_point',
            'restore_rest', 'checkpoint', 'fastai_pct', 'SkipToIter', 'SeedBatches']
 
 # %% ../nbs/02a_resume.ipynb #57000d75
@@ -160,9 +160,9 @@ def read_on_rank0(file, src:int=0, **kwargs)->dict:
     return share_checkpoint(state, src)
 
 # %% ../nbs/02a_resume.ipynb #a1f0c003
-import itertools, warnings, weakref
+import itertools, random, warnings, weakref
 from functools import partial
-import torch
+import numpy as np, torch
 from fastcore.basics import GetAttr
 from fastai.data.load import DataLoader
 from .state import *
@@ -235,10 +235,10 @@ def _options(stream:bool)->str:
 def _refuse(what:str, why:str, stream:bool=False):
     raise TypeError(f"Cannot resume inside an epoch of {what}: {why}; {_options(stream)}")
 
-def _stream_kind(what:str, ds, workers:int, replay:bool)->str:
+def _stream_kind(what:str, ds, workers:int, replay:bool, fastai:bool=False)->str:
     "How a DataLoader (`what`, in words) over the `IterableDataset` `ds`, with `workers`, resumes inside an epoch"
     if _own_state(ds) and not _lossy(ds) and not workers: return 'dataset'
-    if replay and not workers: return 'replay'
+    if replay and not (workers and fastai): return 'replay'  # fastai's workers each iterate the whole stream
     if workers:
         _refuse(what, f"its {workers} workers each hold a copy of the dataset, whose positions the main process "
                       "does not see (torchdata's `StatefulDataLoader` keeps them: use it with num_workers, "
@@ -253,7 +253,7 @@ def loader_kind(dl, replay:bool|None=None, # allow a replay of the stream (by de
     if isinstance(dl, DataLoader):
         if not getattr(dl, 'indexed', True):
             what = f"a fastai {name} over an iterable dataset ({type(dl.dataset).__name__})"
-            return _stream_kind(what, dl.dataset, dl.fake_l.num_workers, replay)
+            return _stream_kind(what, dl.dataset, dl.fake_l.num_workers, replay, fastai=True)
         if m := _fastai_override(dl):
             _refuse(f"a {name}", f"{m} overrides fastai's iteration, so the package cannot tell how to skip "
                                  "batches (`fastai_like` says that it skips as fastai's does)")
@@ -305,20 +305,66 @@ def loader_record(dl)->dict:
     kind = loader_kind(dl)
     return dict(kind=kind, position=loader_position(dl, kind))
 
+def _streams()->tuple: return random.getstate(),np.random.get_state(),torch.get_rng_state()
+def _put_streams(s): random.setstate(s[0]); np.random.set_state(s[1]); torch.set_rng_state(s[2])
+
+class _Apart:
+    "The iterator of stream `ds`, drawing from its own python, numpy and torch (CPU) streams, never from the training's"
+    def __init__(self, ds):
+        train = _streams()
+        # seeded by torch's stream now, which nothing draws from: the same at an epoch's start and at its replay
+        s = int(np.random.SeedSequence(torch.get_rng_state().numpy().view(np.uint32).tolist()).generate_state(1)[0])
+        random.seed(s); np.random.seed(s); torch.default_generator.manual_seed(s)
+        try: self.it = iter(ds)
+        finally: self.own = _streams(); _put_streams(train)
+    def __iter__(self): return self
+    def __next__(self):
+        train = _streams()
+        _put_streams(self.own)
+        try: return next(self.it)
+        finally: self.own = _streams(); _put_streams(train)
+
+def _as_worker(info, role:int):
+    "Make this DataLoader worker (`info`) the worker `role` of the same epoch: its seeds, its `get_worker_info()`"
+    from torch.utils.data._utils import worker  # where `get_worker_info` reads; seeded as its `_worker_loop` seeds
+    base = info.seed - info.id
+    random.seed(base + role); torch.default_generator.manual_seed(base + role); np.random.seed(worker._generate_state(base, role))
+    worker._worker_info = worker.WorkerInfo(id=role, num_workers=info.num_workers, seed=base + role, dataset=info.dataset)
+
 class _Skip(torch.utils.data.IterableDataset):
-    "The stream `ds` but its first `n` items, read (not collated) by `iter`; then the random streams `now`"
-    def __init__(self, ds, n:int, now:dict|None=None): self.ds,self.n,self.now = ds,n,now
+    "The stream `ds` from batch `first` on (of `bs` items; those before read, not collated); then the random streams `now`"
+    def __init__(self, ds, first:int=0, bs:int=1, now:dict|None=None,
+                 apart:bool=True, # in the main process, the stream draws from its own random streams (`_Apart`)
+                ): self.ds,self.first,self.bs,self.now,self.apart = ds,first,bs,now,apart
     def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        if info is None: return self._main()
+        # worker i yields batches i, i+w, ...: resumed at batch `first`, worker i does what worker (i+first)%w did
+        role,w = (info.id + self.first) % info.num_workers,info.num_workers
+        if role != info.id: _as_worker(info, role)
         it = iter(self.ds)
-        got = sum(1 for _ in itertools.islice(it, self.n))
-        if got < self.n:
+        for _ in itertools.islice(it, len(range(role, self.first, w))*self.bs): pass
+        return it
+
+    def _main(self):
+        "In the main process: the stream's draws kept apart from the training's (`_Apart`), so that a replay sees them"
+        it,n = _Apart(self.ds) if self.apart else iter(self.ds),self.first*self.bs
+        got = sum(1 for _ in itertools.islice(it, n))
+        if got < n:
             items = f"{got:,} item{'s'*(got != 1)}"
-            raise RuntimeError(f"The stream ended after {items} while replaying {self.n:,} to reach the resume point: "
+            raise RuntimeError(f"The stream ended after {items} while replaying {n:,} to reach the resume point: "
                                "it is not the stream the resume point was written with")
         if self.now is not None: set_rng_state(self.now)
         return it
 
 def _drop_idxs(get_idxs, n:int): return list(get_idxs())[n:]
+def _workers(dl)->int: return 0 if isinstance(dl, DataLoader) else dl.num_workers
+
+def replayed(dl)->bool:
+    "Does `dl` resume inside an epoch by a replay (`loader_kind` 'replay')? Then every epoch reads it through `Resumed`"
+    if dl not in _replayable: return False
+    try: return loader_kind(dl) == 'replay'
+    except TypeError: return False
 
 class Resumed(GetAttr):
     "Iterate `dl` from batch `first_iter` on, from a resume point's `position` (`loader_position`) or by a replay"
@@ -344,17 +390,19 @@ class Resumed(GetAttr):
 
     def _stream_patches(self, now)->dict:
         "What `dl` iterates over instead of its stream: from its position, or without the items before the first batch"
-        dl,fastai = self.dl,isinstance(self.dl, DataLoader)
-        n = 0
-        if self.kind == 'dataset': dl.dataset.load_state_dict(self.position)
-        else:
-            n = self._first_iter*((dl.bs if fastai else dl.batch_size) or 1)
-            batches = f"{self._first_iter:,} batch{'es'*(self._first_iter != 1)}"
-            warnings.warn(f"Replaying {batches} ({n:,} items) of the stream to reach the resume point "
-                          "(read, not collated)")
-        patches = dict(dataset=_Skip(dl.dataset, n, now))
+        dl,fastai,first = self.dl,isinstance(self.dl, DataLoader),self._first_iter
+        bs = (dl.bs if fastai else dl.batch_size) or 1
+        if self.kind == 'dataset':
+            dl.dataset.load_state_dict(self.position)
+            return dict(dataset=_Skip(dl.dataset, now=now, apart=False))
+        if first:
+            workers = f" in {dl.num_workers} workers" if not fastai and dl.num_workers else ""
+            warnings.warn(f"Replaying {first:,} batch{'es'*(first != 1)} ({first*bs:,} items) of the stream to reach "
+                          f"the resume point{workers} (read, not collated)")
+        # with workers, the main process goes on with `now` once it has made the iterator (`__iter__`)
+        patches = dict(dataset=_Skip(dl.dataset, first, bs, None if _workers(dl) else now))
         # the placeholders of the skipped items
-        if fastai: patches['get_idxs'] = partial(_drop_idxs, dl.get_idxs, self._first_iter*(dl.bs or 1))
+        if fastai: patches['get_idxs'] = partial(_drop_idxs, dl.get_idxs, first*bs)
         return patches
 
     def __iter__(self):
@@ -370,6 +418,7 @@ class Resumed(GetAttr):
         try:
             # PyTorch's makes its dataset's iterator here; fastai's at the first batch (then `_Skip` switches streams)
             it = iter(dl)
+            if now is not None and _workers(dl): set_rng_state(now)  # the workers' base seed is drawn
             first = next(it, None) if isinstance(dl, DataLoader) else None
         finally: unpatch_attrs(dl, old)  # a resume point in this epoch sees the loader itself
         if first is not None: yield first
@@ -627,7 +676,11 @@ class SkipToIter(Callback):
     def _keep_epoch_rng(self): self.epoch_rng = epoch_streams(self.learn)
 
     def before_train(self):
-        if self.epoch != self.start_epoch or not self.start_iter: return self._keep_epoch_rng()
+        if self.epoch != self.start_epoch or not self.start_iter:
+            self._keep_epoch_rng()
+            # the stream draws from its own random streams in every epoch, so that a replay of this one sees them
+            if replayed(self.dl): self.learn.dl = Resumed(self.dl, 0, 'replay')
+            return
         kind,rp = loader_kind(self.dl),self.rp
         self.learn.pct_train = rp['pct_train'] if rp else fastai_pct(self.pct_train, self.start_iter, len(self.dl), self.n_epoch)
         if rp is None: self._keep_epoch_rng()

@@ -51,6 +51,17 @@ class Generated(IterableDataset):
     def __iter__(self):
         for i in torch.randperm(self.n).tolist(): yield _xy(i)
 
+class Buffered(IterableDataset):
+    "A stream shuffled through a buffer of 8 items, which picks the item to yield with `torch.randint` (torch's global stream); workers share it by striding"
+    def __init__(self, n): self.n = n
+    def __len__(self): return self.n
+    def __iter__(self):
+        w,buf = get_worker_info(),[]
+        for i in range(w.id if w else 0, self.n, w.num_workers if w else 1):
+            buf.append(i)
+            if len(buf) == 8: yield _xy(buf.pop(int(torch.randint(8, ()))))
+        while buf: yield _xy(buf.pop(int(torch.randint(len(buf), ()))))
+
 class Sized(IterableDataset):
     "A Hugging Face IterableDataset with the length fastai needs; its position (`state_dict`) and epoch passed through"
     def __init__(self, ds, n): self.ds,self.n = ds,n
@@ -94,6 +105,14 @@ def hf_replay(a): return DataLoaders(TorchDL(_hf(True), batch_size=BS), _valid()
 
 def gen(a): return DataLoaders(TorchDL(Generated(N), batch_size=BS), _valid()), []
 
+def gen_buffer(a): return DataLoaders(TorchDL(Buffered(N), batch_size=BS), _valid()), []
+
+def gen_workers(a): return DataLoaders(TorchDL(Buffered(N), batch_size=BS, num_workers=2), _valid()), []
+
+def fastai_buffer(a):
+    from fastai.data.load import DataLoader
+    return DataLoaders(DataLoader(Buffered(N), bs=BS), _valid()), []
+
 def fastai_state(a):
     from fastai.data.load import DataLoader
     return DataLoaders(DataLoader(Counter(N), bs=BS), _valid()), []
@@ -104,8 +123,8 @@ def fastai_gen(a):
 
 def persistent(a): return DataLoaders(TorchDL(Points(N), batch_size=BS, shuffle=True, num_workers=2, persistent_workers=True), _valid()), []
 
-SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, gen=gen, fastai_state=fastai_state, fastai_gen=fastai_gen, persistent=persistent)
-REPLAY = ('hf_replay', 'gen', 'fastai_gen')  # resumed by replaying the stream (`AutoResume(replay=True)`)
+SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, gen=gen, fastai_state=fastai_state, fastai_gen=fastai_gen, gen_buffer=gen_buffer, gen_workers=gen_workers, fastai_buffer=fastai_buffer, persistent=persistent)
+REPLAY = ('hf_replay', 'gen', 'fastai_gen', 'gen_buffer', 'gen_workers', 'fastai_buffer')  # resumed by replaying the stream (`AutoResume(replay=True)`)
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser()
