@@ -651,6 +651,7 @@ class AutoResume(Callback):
             hide_probes(self.learn)
             check_resumable(self.dls.train)
             if self.replay: allow_replay(self.dls.train)
+            keep_buffers(self.dls.train)  # a Hugging Face shuffle buffer keeps its content in its state
             # refuse, before the first batch, a loader that no run could continue inside an epoch
             if self.every_iter or self.every_secs: loader_kind(self.dls.train)
             self.run_state = run_state(self.store, self.fname)

@@ -12,8 +12,8 @@ from .store import locate
 
 # %% auto #0
 __all__ = ['agree', 'share_checkpoint', 'patch_attrs', 'unpatch_attrs', 'allow_replay', 'fastai_like', 'loader_kind', 'check_len',
-           'check_resumable', 'loader_position', 'loader_record', 'replayed', 'Resumed', 'resume_point', 'rest_point',
-           'restore_rest', 'checkpoint', 'fastai_pct', 'SkipToIter', 'SeedBatches']
+           'check_resumable', 'loader_position', 'loader_record', 'replayed', 'Resumed', 'keep_buffers', 'resume_point',
+           'rest_point', 'restore_rest', 'checkpoint', 'fastai_pct', 'SkipToIter', 'SeedBatches']
 
 # %% ../nbs/02a_resume.ipynb #57000d75
 def world_size()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -160,7 +160,7 @@ def read_on_rank0(file, src:int=0, **kwargs)->dict:
     return share_checkpoint(state, src)
 
 # %% ../nbs/02a_resume.ipynb #a1f0c003
-import itertools, random, warnings, weakref
+import copy, functools, itertools, random, warnings, weakref
 from functools import partial
 import numpy as np, torch
 from fastcore.basics import GetAttr
@@ -423,6 +423,89 @@ class Resumed(GetAttr):
         finally: unpatch_attrs(dl, old)  # a resume point in this epoch sees the loader itself
         if first is not None: yield first
         yield from it
+
+# %% ../nbs/02a_resume.ipynb #d2f34584
+def _permute(self, rng, keep:int):
+    "Yield the buffer but `keep` examples, in a permutation drawn from `rng`, from where its state says it stopped"
+    st = self._state_dict
+    if st['yielded'] is None: st.update(yielded=0, keep=keep)  # `rng` in the state: as it was before the permutation
+    buf,keep = st['buffer'],st['keep']
+    idx = rng.permutation(len(buf))
+    for i in idx[st['yielded']:len(buf)-keep]:
+        st['yielded'] += 1
+        yield buf[i]
+    st.update(buffer=[buf[i] for i in idx[len(buf)-keep:]], rng=rng.bit_generator.state, yielded=None)
+
+def _kept_iter(self):
+    "`BufferShuffledExamplesIterable.__iter__` of `datasets`, with the buffer, the generator and the position in its state"
+    st,rng,src = self._state_dict,copy.deepcopy(self.generator),self.ex_iterable
+    if st['buffer'] is None: st.update(source=src._init_state_dict(), buffer=[], rng=rng.bit_generator.state, yielded=None, keep=0)
+    else: src.load_state_dict(st['source']); st['source'] = src._state_dict  # then it moves on in the state
+    rng.bit_generator.state = st['rng']
+    if st['yielded'] is not None: yield from _permute(self, rng, st['keep'])
+    for x in self.ex_iterable:
+        st['buffer'].append(x)
+        if len(st['buffer']) >= self.buffer_size: yield from _permute(self, rng, self.buffer_size // 2)
+    if st['buffer']: yield from _permute(self, rng, 0)
+
+def _kept_init(self)->dict:
+    # `None`s, not the source's state and an empty list: `datasets`' `load_state_dict` merges loaded lists item by item
+    self._state_dict = dict(source=None, buffer=None, rng=None, yielded=None, keep=0)
+    return self._state_dict
+
+def _kept(o):
+    "`o`, a `BufferShuffledExamplesIterable`, made to keep its buffer"
+    o.__class__ = _kept_class()
+    return o
+
+def _new_kept(): return object.__new__(_kept_class())
+
+@functools.cache
+def _kept_class():
+    "The class of a buffer that keeps its content in its state: made when first needed, so that `datasets` is imported then"
+    from datasets.iterable_dataset import BufferShuffledExamplesIterable as B
+    over = lambda m: lambda self, *a, **kw: _kept(getattr(B, m)(self, *a, **kw))
+    return type('KeptBufferShuffledExamplesIterable', (B,), dict(
+        __iter__=_kept_iter, _init_state_dict=_kept_init, load_state_dict=B.__base__.load_state_dict,
+        iter_arrow=None, __reduce__=lambda self: (_new_kept, (), self.__dict__), __module__=__name__,
+        **{m: over(m) for m in ('shift_rngs', 'shuffle_data_sources', 'shard_data_sources', 'reshard_data_sources')}))
+
+def _hf_datasets(ds)->list:
+    "The Hugging Face `IterableDataset`s that are `ds` or an attribute of it"
+    return [o for o in ((ds, *vars(ds).values()) if hasattr(ds, '__dict__') else (ds,))
+            if 'datasets.iterable_dataset.IterableDataset' in _names(o)]
+
+def _buffers(hf):
+    "The shuffle buffers in the pipeline of `hf`, a Hugging Face `IterableDataset`, with what holds each"
+    o,name = hf,'_ex_iterable'
+    while (ex := getattr(o, name, None)) is not None:
+        if isinstance(ex, _kept_class().__base__): yield o,name,ex
+        o,name = ex,'ex_iterable'
+
+_NOT_PLAIN = ('binary', 'large_binary', 'timestamp', 'date', 'time', 'duration', 'decimal')
+def _not_plain(features)->list:
+    "The columns of `features` whose values a resume point cannot keep (bytes, dates, decimals)"
+    from datasets import Value
+    def bad(f):
+        if isinstance(f, Value): return f.dtype.startswith(_NOT_PLAIN)
+        if isinstance(f, dict): return any(bad(v) for v in f.values())
+        if isinstance(f, (list, tuple)): return any(bad(v) for v in f)
+        sub = getattr(f, 'feature', None)
+        return bad(sub) if sub is not None else hasattr(f, 'decode')  # Image, Audio, Video: bytes before decoding
+    return [k for k,f in (features or {}).items() if bad(f)]
+
+def keep_buffers(dl):
+    "Make each Hugging Face shuffle buffer of `dl`'s dataset keep its content in its `state_dict`; refuse one that cannot"
+    for hf in _hf_datasets(getattr(dl, 'dataset', None)):
+        for o,name,ex in _buffers(hf):
+            if bad := _not_plain(ex.features or hf.features):
+                _refuse(f"a {type(dl).__name__} over a Hugging Face IterableDataset shuffled with a buffer of "
+                        f"{ex.buffer_size:,} examples", f"the buffer's content, which its state_dict leaves out, cannot be kept "
+                        f"in a resume point as plain values (column{'s'*(len(bad) > 1)} {', '.join(map(repr, bad))}: bytes or "
+                        "dates); decode them before the shuffle (`.map`), or use a PyTorch DataLoader and "
+                        "`AutoResume(replay=True)`", True)
+            if type(ex) is not _kept_class(): setattr(o, name, _kept(copy.copy(ex)))
+    return dl
 
 # %% ../nbs/02a_resume.ipynb #e0a38628
 import time

@@ -81,6 +81,14 @@ def _hf(shuffle):
     ds = HFDataset.from_dict({'x': xs, 'y': [2*x+0.3 for x in xs]}).to_iterable_dataset(num_shards=4)
     return Sized(ds.shuffle(seed=3, buffer_size=16) if shuffle else ds, N)
 
+def hf_buffer(a):
+    "The issue's stream: 512 examples in 4 shards, a shuffle buffer of 128, 2 workers, 32 a batch (16 batches an epoch)"
+    from datasets import Dataset as HFDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    xs = [i/256 - 1 for i in range(512)]
+    ds = HFDataset.from_dict({'x': xs, 'y': [2*x+0.3 for x in xs]}).to_iterable_dataset(num_shards=4).shuffle(seed=0, buffer_size=128)
+    return DataLoaders(StatefulDataLoader(Sized(ds, 512), batch_size=32, num_workers=2), _valid()), [SetEpoch()]
+
 def _valid(): return TorchDL(Points(16), batch_size=BS)
 
 def sdl_map(a):
@@ -123,7 +131,7 @@ def fastai_gen(a):
 
 def persistent(a): return DataLoaders(TorchDL(Points(N), batch_size=BS, shuffle=True, num_workers=2, persistent_workers=True), _valid()), []
 
-SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, gen=gen, fastai_state=fastai_state, fastai_gen=fastai_gen, gen_buffer=gen_buffer, gen_workers=gen_workers, fastai_buffer=fastai_buffer, persistent=persistent)
+SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, hf_buffer=hf_buffer, gen=gen, fastai_state=fastai_state, fastai_gen=fastai_gen, gen_buffer=gen_buffer, gen_workers=gen_workers, fastai_buffer=fastai_buffer, persistent=persistent)
 REPLAY = ('hf_replay', 'gen', 'fastai_gen', 'gen_buffer', 'gen_workers', 'fastai_buffer')  # resumed by replaying the stream (`AutoResume(replay=True)`)
 
 if __name__ == '__main__':

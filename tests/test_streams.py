@@ -6,7 +6,7 @@ from helpers import TESTS
 import killrerun as kr
 
 SCRIPT = str(TESTS/'stream_script.py')
-SOURCES = ('sdl_map', 'sdl_noisy', 'sdl_iter', 'hf_state', 'hf_replay', 'gen', 'fastai_state', 'fastai_gen', 'gen_buffer', 'gen_workers', 'fastai_buffer')
+SOURCES = ('sdl_map', 'sdl_noisy', 'sdl_iter', 'hf_state', 'hf_replay', 'hf_buffer', 'gen', 'fastai_state', 'fastai_gen', 'gen_buffer', 'gen_workers', 'fastai_buffer')
 EVERY = 3  # stream_script.py's AutoResume(every_iter=3)
 
 @pytest.fixture(scope='module')
