@@ -505,6 +505,8 @@ def keep_buffers(dl):
                         "dates); decode them before the shuffle (`.map`), or use a PyTorch DataLoader and "
                         "`AutoResume(replay=True)`", True)
             if type(ex) is not _kept_class(): setattr(o, name, _kept(copy.copy(ex)))
+        # the state it made for its pipeline when it was made, which a worker's first snapshot reports: the new pipeline's
+        hf._prepare_ex_iterable_for_iteration()
     return dl
 
 # %% ../nbs/02a_resume.ipynb #e0a38628
