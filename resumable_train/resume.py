@@ -166,6 +166,7 @@ import numpy as np, torch
 from fastcore.basics import GetAttr
 from fastai.data.load import DataLoader
 from .state import *
+from .fitcalls import loader_of
 
 # %% ../nbs/02a_resume.ipynb #a1f0c021
 def patch_attrs(o, **attrs)->dict:
@@ -205,6 +206,16 @@ def _lossy(ds)->str|None:
                         "the examples in the buffer are lost")
             ex = getattr(ex, 'ex_iterable', None)
 
+def _webdataset(o)->bool: return any(n.startswith('webdataset.') for n in _names(o))
+
+def _unrepeatable(ds)->str|None:
+    "Why no run repeats the order of stream `ds` (a webdataset `shuffle` seeded by the clock), or `None`"
+    for st in getattr(ds, 'pipeline', []) if _webdataset(ds) else []:
+        f = getattr(st, 'f', None)
+        if getattr(f, '__name__', '') == '_shuffle' and not {'seed', 'rng'} & {k for k,v in st.kw.items() if v is not None}:
+            return ("its webdataset `shuffle` draws from a generator seeded by the clock and the process id (no `seed=`): "
+                    "no run, interrupted or not, repeats its order; give it one (`.shuffle(n, seed=...)`)")
+
 _FASTAI_ITER = ('__iter__', 'create_batches')  # what `_FastForward` relies on in a fastai DataLoader
 # the subclasses from outside fastai that override them and still resume as fastai's DataLoader does
 _fastai_like = set()
@@ -238,6 +249,7 @@ def _refuse(what:str, why:str, stream:bool=False):
 def _stream_kind(what:str, ds, workers:int, replay:bool, fastai:bool=False)->str:
     "How a DataLoader (`what`, in words) over the `IterableDataset` `ds`, with `workers`, resumes inside an epoch"
     if _own_state(ds) and not _lossy(ds) and not workers: return 'dataset'
+    if replay and (why := _unrepeatable(ds)): _refuse(what, why)
     if replay and not (workers and fastai): return 'replay'  # fastai's workers each iterate the whole stream
     if workers:
         _refuse(what, f"its {workers} workers each hold a copy of the dataset, whose positions the main process "
@@ -250,6 +262,13 @@ def loader_kind(dl, replay:bool|None=None, # allow a replay of the stream (by de
                )->str:
     "How `dl` resumes in an epoch: 'fastai', 'torch', 'state', 'dataset' or 'replay'; else `TypeError` with options"
     replay,name = dl in _replayable if replay is None else replay,type(dl).__name__
+    if _webdataset(dl) and hasattr(dl, 'pipeline'):
+        inner = loader_of(dl)
+        if type(inner) is not torch.utils.data.DataLoader or dl.nsamples > 0 or dl.repetitions != 1:
+            _refuse(f"a webdataset {name} with stages after its DataLoader", "they (`.shuffle`, `.batched`, `.with_epoch`, "
+                    "...) run in the main process, where no position of theirs is kept; shuffle in the `WebDataset` "
+                    "(`wds.WebDataset(...).shuffle(n, seed=...)`), and give the `WebLoader` only `.with_length`", True)
+        return loader_kind(inner, replay)
     if isinstance(dl, DataLoader):
         if not getattr(dl, 'indexed', True):
             what = f"a fastai {name} over an iterable dataset ({type(dl.dataset).__name__})"
@@ -714,7 +733,7 @@ def _fast_forward(dl, first_iter:int, kind:str, # `loader_kind(dl)`
     "`dl` from batch `first_iter` on, resumed as loaders of its kind resume"
     if kind == 'fastai': return _FastForward(dl, first_iter, start)
     if kind == 'torch': return _TorchFastForward(dl, first_iter, start)
-    return Resumed(dl, first_iter, kind, position, start)
+    return Resumed(loader_of(dl), first_iter, kind, position, start)
 
 # %% ../nbs/02a_resume.ipynb #9655f72b
 def _epoch_start(er, rng):
@@ -764,7 +783,7 @@ class SkipToIter(Callback):
         if self.epoch != self.start_epoch or not self.start_iter:
             self._keep_epoch_rng()
             # the stream draws from its own random streams in every epoch, so that a replay of this one sees them
-            if replayed(self.dl): self.learn.dl = Resumed(self.dl, 0, 'replay')
+            if replayed(self.dl): self.learn.dl = Resumed(loader_of(self.dl), 0, 'replay')
             return
         kind,rp = loader_kind(self.dl),self.rp
         self.learn.pct_train = rp['pct_train'] if rp else fastai_pct(self.pct_train, self.start_iter, len(self.dl), self.n_epoch)

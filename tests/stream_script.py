@@ -89,6 +89,31 @@ def hf_buffer(a):
     ds = HFDataset.from_dict({'x': xs, 'y': [2*x+0.3 for x in xs]}).to_iterable_dataset(num_shards=4).shuffle(seed=0, buffer_size=128)
     return DataLoaders(StatefulDataLoader(Sized(ds, 512), batch_size=32, num_workers=2), _valid()), [SetEpoch()]
 
+def _shards():
+    "4 tar shards of 12 points each in ./shards (made once), as webdataset reads them"
+    import webdataset as wds
+    Path('shards').mkdir(exist_ok=True)
+    for s in range(4):
+        if Path(f'shards/{s}.tar').exists(): continue
+        with wds.TarWriter(f'shards/{s}.tar.tmp') as w:
+            for i in range(s*12, s*12+12): w.write({'__key__': f'{i:04d}', 'i.txt': str(i)})
+        Path(f'shards/{s}.tar.tmp').rename(f'shards/{s}.tar')
+    return [f'shards/{s}.tar' for s in range(4)]
+
+def _wds_point(sample): return _xy(int(sample['i.txt']))
+
+def wds_loader(a):
+    "`wds.WebDataset(...).shuffle(8, seed=1)` in a `WebLoader` with 2 workers (each reads 2 shards)"
+    import webdataset as wds
+    ds = wds.WebDataset(_shards(), shardshuffle=False).shuffle(8, seed=1).decode().map(_wds_point).with_length(N)
+    return DataLoaders(wds.WebLoader(ds, batch_size=BS, num_workers=2).with_length(N//BS), _valid()), []
+
+def wds_unseeded(a):
+    "The same without a seed: webdataset seeds its buffer's generator with the clock"
+    import webdataset as wds
+    ds = wds.WebDataset(_shards(), shardshuffle=False).shuffle(8).decode().map(_wds_point).with_length(N)
+    return DataLoaders(wds.WebLoader(ds, batch_size=BS, num_workers=2).with_length(N//BS), _valid()), []
+
 def _valid(): return TorchDL(Points(16), batch_size=BS)
 
 def sdl_map(a):
@@ -131,8 +156,8 @@ def fastai_gen(a):
 
 def persistent(a): return DataLoaders(TorchDL(Points(N), batch_size=BS, shuffle=True, num_workers=2, persistent_workers=True), _valid()), []
 
-SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, hf_buffer=hf_buffer, gen=gen, fastai_state=fastai_state, fastai_gen=fastai_gen, gen_buffer=gen_buffer, gen_workers=gen_workers, fastai_buffer=fastai_buffer, persistent=persistent)
-REPLAY = ('hf_replay', 'gen', 'fastai_gen', 'gen_buffer', 'gen_workers', 'fastai_buffer')  # resumed by replaying the stream (`AutoResume(replay=True)`)
+SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, hf_buffer=hf_buffer, gen=gen, fastai_state=fastai_state, fastai_gen=fastai_gen, gen_buffer=gen_buffer, gen_workers=gen_workers, fastai_buffer=fastai_buffer, wds=wds_loader, wds_unseeded=wds_unseeded, persistent=persistent)
+REPLAY = ('hf_replay', 'gen', 'fastai_gen', 'gen_buffer', 'gen_workers', 'fastai_buffer', 'wds', 'wds_unseeded')  # resumed by replaying the stream (`AutoResume(replay=True)`)
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser()

@@ -187,3 +187,17 @@ def test_stream_kill_relaunch(forker, tmp_path):
     res = ranks(forker, tmp_path, '--stream', '--every', '3')
     assert 'AutoResume: continuing from' in res[0][1] and '(epoch 3/3, batch 1/4)' in res[0][1], why(res)
     assert_same_run(results(ref), results(tmp_path))
+
+@pytest.mark.parametrize('source', ['hf_buffer', 'sdl_map', 'replay_gen'])
+def test_sources_kill_relaunch(forker, tmp_path, source):
+    "Issue 29's sources under 2 ranks, 2 workers each: a Hugging Face stream with a shuffle buffer, torchdata over map-style data, a replayed stream drawing from torch's stream; killed twice (rank 1, then rank 0), relaunched on the same size: the uninterrupted run"
+    pytest.importorskip('torchdata'); pytest.importorskip('datasets')
+    ref,args = tmp_path/'ref',['--source', source, '--every', '3']
+    ranks(forker, ref, *args, timeout=300)
+    res = wait_ranks(start_ranks(forker, tmp_path, *args, '--kill-rank', '1', '--kill-at', '7'), 300)
+    assert res[1][0] == -signal.SIGKILL and res[0][0] != 0, why(res)
+    res = wait_ranks(start_ranks(forker, tmp_path, *args, '--kill-rank', '0', '--kill-at', '11'), 300)
+    assert res[0][0] == -signal.SIGKILL and 'AutoResume: continuing from' in res[0][1], why(res)
+    res = ranks(forker, tmp_path, *args, timeout=300)
+    assert 'AutoResume: continuing from' in res[0][1], why(res)
+    assert_same_run(results(ref), results(tmp_path))
