@@ -73,7 +73,7 @@ class Sized(torch.utils.data.IterableDataset):
     "A Hugging Face IterableDataset of (x, y) examples, with the length fastai needs; its position and epoch passed through"
     def __init__(self, ds, n): self.ds,self.n = ds,n
     def __len__(self): return self.n
-    def __iter__(self): return ((torch.tensor(ex['x']), torch.tensor(ex['y'])) for ex in self.ds)
+    def __iter__(self): return ((torch.tensor([ex['x']]), torch.tensor([ex['y']])) for ex in self.ds)
     def state_dict(self): return self.ds.state_dict()
     def load_state_dict(self, sd): self.ds.load_state_dict(sd)
 
