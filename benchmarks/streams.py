@@ -84,10 +84,11 @@ def _hf_stream(n, buffer_size, keep):
     if keep: keep_buffers(TorchDL(ds))
     return ds
 
-def _hf_variants(k, bs, n, buffer_size, workers):
+def _hf_variants(k, bs, n, buffer_size, workers, every):
     "The ways to start the buffered stream at batch `k`; and for each state-based one, the examples of the rest of the epoch"
     from torchdata.stateful_dataloader import StatefulDataLoader
-    sdl = lambda keep: StatefulDataLoader(_hf_stream(n, buffer_size, keep), batch_size=bs, num_workers=workers)
+    # a snapshot of the workers every `every` batches (torchdata's default, every batch, copies the buffer each time: `_snapshot_ms`)
+    sdl = lambda keep: StatefulDataLoader(_hf_stream(n, buffer_size, keep), batch_size=bs, num_workers=workers, snapshot_every_n_steps=every)
     def state_at(keep): return _position(lambda: sdl(keep), k)[0].state_dict()
     def from_state(keep, sd): return _loaded(sdl(keep), sd)
     def discard():
@@ -112,10 +113,20 @@ def _lost(k, bs, n, buffer_size)->tuple:
     seen,want = full[:k*bs],set(full[k*bs:])
     return len(want - set(rest)),len(rest) - len(set(rest) - set(seen))
 
+def _snapshot_ms(buffer_size, reps=20)->float:
+    "Milliseconds to take the `state_dict` of a kept buffer of `buffer_size` examples and pickle it, as a torchdata worker does"
+    import pickle
+    ds = _hf_stream(4*buffer_size, buffer_size, True)
+    it = iter(ds)
+    for _ in range(buffer_size//4): next(it)   # in the middle of filling its buffer again
+    t = time.perf_counter()
+    for _ in range(reps): pickle.dumps(ds.state_dict())
+    return (time.perf_counter() - t)/reps
+
 def run_hf(quick=False, reps=None, **kwargs):
     "Resuming the buffered Hugging Face stream at batch k: ours, replay (one process, workers), iterate-and-discard, torchdata's own"
     ks = (1, 10, 100) if quick else (1_000, 10_000, 100_000)
-    reps,bs,workers = reps or 1,8,2
+    reps,bs,workers,every = reps or 1,8,2,(1 if quick else 1000)
     buffer_size = 100 if quick else 10_000
     n = (max(ks)+2)*bs + 2*buffer_size
     warnings.filterwarnings('ignore', message='Replaying')
@@ -125,7 +136,7 @@ def run_hf(quick=False, reps=None, **kwargs):
     for k in ks:
         lost[k] = _lost(k, bs, n, buffer_size)
         for r in range(reps):
-            vs = _hf_variants(k, bs, n, buffer_size, workers)
+            vs = _hf_variants(k, bs, n, buffer_size, workers, every)
             names = list(vs); random.Random(f'{r}{k}').shuffle(names)
             for v in names: times.setdefault((k, v), []).append(_first(vs[v]))
     t = Table('streams_hf', '10b. A Hugging Face stream with a shuffle buffer: time to the first batch when resuming at batch k',
@@ -143,5 +154,9 @@ def run_hf(quick=False, reps=None, **kwargs):
     for k in ks:
         m = {v: med(times[(k, v)]) for v in ('ours', 'replay', 'replay workers', 'discard', 'torchdata')}
         t.add(f'{k:,}', ms(m['ours']), ms(m['replay']), ms(m['replay workers']), ms(m['discard']), ms(m['torchdata']), *lost[k])
-    t.raw = {f'{k}/{v}': xs for (k, v),xs in times.items()} | {f'{k}/lost,repeated': list(v) for k,v in lost.items()}
+    snap = _snapshot_ms(buffer_size)
+    t.notes.append(f"a snapshot of the kept buffer ({buffer_size:,} examples: `state_dict`, pickled) costs {snap*1e3:.1f} ms in a worker; "
+                   f"ours snapshots every {every:,} batches (`StatefulDataLoader(snapshot_every_n_steps=...)`: a resume point between "
+                   "two snapshots reads the batches since the last one again)")
+    t.raw = {f'{k}/{v}': xs for (k, v),xs in times.items()} | {f'{k}/lost,repeated': list(v) for k,v in lost.items()} | {'snapshot_s': snap}
     return t

@@ -327,21 +327,30 @@ def loader_record(dl)->dict:
 def _streams()->tuple: return random.getstate(),np.random.get_state(),torch.get_rng_state()
 def _put_streams(s): random.setstate(s[0]); np.random.set_state(s[1]); torch.set_rng_state(s[2])
 
-class _Apart:
-    "The iterator of stream `ds`, drawing from its own python, numpy and torch (CPU) streams, never from the training's"
-    def __init__(self, ds):
-        train = _streams()
+class _Own:
+    "A stream's own python, numpy and torch (CPU) random streams, apart from the training's: made in place, `swap` out and in"
+    def __init__(self):
+        self.other = _streams()  # the training's, while the stream's are in place
         # seeded by torch's stream now, which nothing draws from: the same at an epoch's start and at its replay
         s = int(np.random.SeedSequence(torch.get_rng_state().numpy().view(np.uint32).tolist()).generate_state(1)[0])
         random.seed(s); np.random.seed(s); torch.default_generator.manual_seed(s)
+    def swap(self):
+        "Put the streams not in place in place (numpy's get and set cost ~0.1 ms: a swap per batch, not per item, where it can)"
+        now = _streams()
+        _put_streams(self.other)
+        self.other = now
+
+class _Apart:
+    "The iterator of stream `ds`, each item read under its own random streams (`_Own`), never the training's"
+    def __init__(self, ds):
+        self.own = _Own()
         try: self.it = iter(ds)
-        finally: self.own = _streams(); _put_streams(train)
+        finally: self.own.swap()
     def __iter__(self): return self
     def __next__(self):
-        train = _streams()
-        _put_streams(self.own)
+        self.own.swap()
         try: return next(self.it)
-        finally: self.own = _streams(); _put_streams(train)
+        finally: self.own.swap()
 
 def _as_worker(info, role:int):
     "Make this DataLoader worker (`info`) the worker `role` of the same epoch: its seeds, its `get_worker_info()`"
@@ -353,8 +362,8 @@ def _as_worker(info, role:int):
 class _Skip(torch.utils.data.IterableDataset):
     "The stream `ds` from batch `first` on (of `bs` items; those before read, not collated); then the random streams `now`"
     def __init__(self, ds, first:int=0, bs:int=1, now:dict|None=None,
-                 apart:bool=True, # in the main process, the stream draws from its own random streams (`_Apart`)
-                ): self.ds,self.first,self.bs,self.now,self.apart = ds,first,bs,now,apart
+                 apart:str|None='item', # in the main process, the stream draws from its own random streams: by 'item' or 'batch'
+                ): self.ds,self.first,self.bs,self.now,self.apart,self.own = ds,first,bs,now,apart,None
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         if info is None: return self._main()
@@ -366,9 +375,13 @@ class _Skip(torch.utils.data.IterableDataset):
         return it
 
     def _main(self):
-        "In the main process: the stream's draws kept apart from the training's (`_Apart`), so that a replay sees them"
-        it,n = _Apart(self.ds) if self.apart else iter(self.ds),self.first*self.bs
-        got = sum(1 for _ in itertools.islice(it, n))
+        "In the main process: the stream's draws kept apart from the training's, so that a replay sees them"
+        n = self.first*self.bs
+        if self.apart == 'batch': self.own = _Own()  # `Resumed` swaps its streams in and out around each batch
+        it = _Apart(self.ds) if self.apart == 'item' else iter(self.ds)
+        try: got = sum(1 for _ in itertools.islice(it, n))
+        finally:
+            if self.own: self.own.swap()
         if got < n:
             items = f"{got:,} item{'s'*(got != 1)}"
             raise RuntimeError(f"The stream ended after {items} while replaying {n:,} to reach the resume point: "
@@ -377,6 +390,16 @@ class _Skip(torch.utils.data.IterableDataset):
         return it
 
 def _drop_idxs(get_idxs, n:int): return list(get_idxs())[n:]
+
+def _swapping(it, own:_Own|None):
+    "The batches of `it`, each made under the random streams `own` (if any), the training's between them"
+    if own is None: return (yield from it)
+    while True:
+        own.swap()
+        try: b = next(it, _swapping)
+        finally: own.swap()
+        if b is _swapping: return
+        yield b
 def _workers(dl)->int: return 0 if isinstance(dl, DataLoader) else dl.num_workers
 
 def replayed(dl)->bool:
@@ -413,13 +436,14 @@ class Resumed(GetAttr):
         bs = (dl.bs if fastai else dl.batch_size) or 1
         if self.kind == 'dataset':
             dl.dataset.load_state_dict(self.position)
-            return dict(dataset=_Skip(dl.dataset, now=now, apart=False))
+            return dict(dataset=_Skip(dl.dataset, now=now, apart=None))
         if first:
             workers = f" in {dl.num_workers} workers" if not fastai and dl.num_workers else ""
             warnings.warn(f"Replaying {first:,} batch{'es'*(first != 1)} ({first*bs:,} items) of the stream to reach "
                           f"the resume point{workers} (read, not collated)")
-        # with workers, the main process goes on with `now` once it has made the iterator (`__iter__`)
-        patches = dict(dataset=_Skip(dl.dataset, first, bs, None if _workers(dl) else now))
+        # with workers, the main process goes on with `now` once it has made the iterator (`__iter__`); a fastai
+        # DataLoader transforms each item as it reads it, with the training's streams: its stream's are swapped by item
+        patches = dict(dataset=_Skip(dl.dataset, first, bs, None if _workers(dl) else now, 'item' if fastai else 'batch'))
         # the placeholders of the skipped items
         if fastai: patches['get_idxs'] = partial(_drop_idxs, dl.get_idxs, first*bs)
         return patches
@@ -433,7 +457,7 @@ class Resumed(GetAttr):
                 if now is not None: set_rng_state(now)
             yield from it
             return
-        old = patch_attrs(dl, **self._stream_patches(now))
+        old = patch_attrs(dl, **(p := self._stream_patches(now)))
         try:
             # PyTorch's makes its dataset's iterator here; fastai's at the first batch (then `_Skip` switches streams)
             it = iter(dl)
@@ -441,7 +465,7 @@ class Resumed(GetAttr):
             first = next(it, None) if isinstance(dl, DataLoader) else None
         finally: unpatch_attrs(dl, old)  # a resume point in this epoch sees the loader itself
         if first is not None: yield first
-        yield from it
+        yield from _swapping(it, p['dataset'].own)
 
 # %% ../nbs/02a_resume.ipynb #d2f34584
 def _permute(self, rng, keep:int):
