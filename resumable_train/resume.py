@@ -12,8 +12,8 @@ from .store import locate
 
 # %% auto #0
 __all__ = ['agree', 'share_checkpoint', 'patch_attrs', 'unpatch_attrs', 'allow_replay', 'fastai_like', 'loader_kind', 'check_len',
-           'check_resumable', 'loader_position', 'loader_record', 'replayed', 'Resumed', 'keep_buffers', 'resume_point',
-           'rest_point', 'restore_rest', 'checkpoint', 'fastai_pct', 'SkipToIter', 'SeedBatches']
+           'check_resumable', 'loader_position', 'loader_record', 'replayed', 'Resumed', 'reshards', 'keep_buffers',
+           'resume_point', 'rest_point', 'restore_rest', 'checkpoint', 'fastai_pct', 'SkipToIter', 'SeedBatches']
 
 # %% ../nbs/02a_resume.ipynb #57000d75
 def world_size()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -536,6 +536,11 @@ def _not_plain(features)->list:
         sub = getattr(f, 'feature', None)
         return bad(sub) if sub is not None else hasattr(f, 'decode')  # Image, Audio, Video: bytes before decoding
     return [k for k,f in (features or {}).items() if bad(f)]
+
+def reshards(dl, world:int)->bool:
+    "Does the stream of `dl` split anew among `world` processes: a Hugging Face dataset split by node, by shards?"
+    hfs = _hf_datasets(getattr(loader_of(dl), 'dataset', None))
+    return bool(hfs) and all(getattr(o, '_distributed', None) is not None and o._ex_iterable.num_shards >= world for o in hfs)
 
 def keep_buffers(dl):
     "Make each Hugging Face shuffle buffer of `dl`'s dataset keep its content in its `state_dict`; refuse one that cannot"

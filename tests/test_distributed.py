@@ -201,3 +201,17 @@ def test_sources_kill_relaunch(forker, tmp_path, source):
     res = ranks(forker, tmp_path, *args, timeout=300)
     assert 'AutoResume: continuing from' in res[0][1], why(res)
     assert_same_run(results(ref), results(tmp_path))
+
+def test_hf_elastic_at_epoch_end(forker, tmp_path):
+    "A Hugging Face stream split by node (4 shards): a 2-rank run killed after an epoch's end continues on 1 process (`elastic=True`) to the end; killed inside an epoch, it is refused with the reason"
+    pytest.importorskip('torchdata'); pytest.importorskip('datasets')
+    args = ['--source', 'hf_buffer', '--every', '4']  # 4 batches an epoch on 2 ranks: resume points at epoch ends
+    res = wait_ranks(start_ranks(forker, tmp_path, *args, '--kill-rank', '1', '--kill-at', '5'), 300)
+    assert res[1][0] == -signal.SIGKILL, why(res)
+    rc,o = forker.run(SCRIPT, tmp_path, *args, '--elastic', timeout=300)
+    assert rc == 0 and 'AutoResume: continuing from' in o, o[-3000:]
+    mid,args = tmp_path/'mid',['--source', 'hf_buffer', '--every', '3']
+    res = wait_ranks(start_ranks(forker, mid, *args, '--kill-rank', '1', '--kill-at', '4'), 300)
+    assert res[1][0] == -signal.SIGKILL, why(res)
+    rc,o = forker.run(SCRIPT, mid, *args, '--elastic', timeout=300)
+    assert rc != 0 and "changes size at an epoch's end, not inside one" in o, o[-3000:]
