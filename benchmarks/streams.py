@@ -84,6 +84,7 @@ def _hf_stream(n, buffer_size, keep):
     if keep: keep_buffers(TorchDL(ds))
     return ds
 
+_STATES = {}
 def _hf_variants(k, bs, n, buffer_size, workers, every):
     "The ways to start the buffered stream at batch `k`; and for each state-based one, the examples of the rest of the epoch"
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -95,7 +96,9 @@ def _hf_variants(k, bs, n, buffer_size, workers, every):
         it = iter(TorchDL(_hf_stream(n, buffer_size, False), batch_size=bs))
         for _ in range(k): next(it)
         return it
-    kept,lossy = state_at(True),_position(lambda: StatefulDataLoader(_hf_stream(n, buffer_size, False), batch_size=bs), k)[0].state_dict()
+    if k not in _STATES:  # the positions at batch k, taken once for all repetitions
+        _STATES[k] = state_at(True),_position(lambda: StatefulDataLoader(_hf_stream(n, buffer_size, False), batch_size=bs), k)[0].state_dict()
+    kept,lossy = _STATES[k]
     return {'ours': lambda: from_state(True, kept),
             'replay': lambda: Resumed(TorchDL(_hf_stream(n, buffer_size, False), batch_size=bs), k, 'replay'),
             'replay workers': lambda: Resumed(TorchDL(_hf_stream(n, buffer_size, False), batch_size=bs, num_workers=workers), k, 'replay'),
@@ -133,6 +136,7 @@ def run_hf(quick=False, reps=None, **kwargs):
     warnings.filterwarnings('ignore', message="'set_vital' is deprecated")
     logging.getLogger('datasets').setLevel(logging.ERROR)  # its buffer warns that it refills
     times,lost = {},{}
+    _STATES.clear()
     for k in ks:
         lost[k] = _lost(k, bs, n, buffer_size)
         for r in range(reps):
