@@ -253,8 +253,8 @@ def _stream_kind(what:str, ds, workers:int, replay:bool, fastai:bool=False)->str
     if replay and not (workers and fastai): return 'replay'  # fastai's workers each iterate the whole stream
     if workers:
         _refuse(what, f"its {workers} workers each hold a copy of the dataset, whose positions the main process "
-                      "does not see (torchdata's `StatefulDataLoader` keeps them: use it with num_workers, "
-                      "or use num_workers=0)")
+                      "does not see (torchdata's `StatefulDataLoader` keeps them: use it with num_workers; a PyTorch "
+                      "`DataLoader` with workers resumes by `AutoResume(replay=True)`; or use num_workers=0)")
     why = "its position is inside the dataset's own iterator, which only reading the skipped items would reach"
     _refuse(what, _lossy(ds) or why, True)
 
@@ -553,6 +553,10 @@ def keep_buffers(dl):
                         "dates); decode them before the shuffle (`.map`), or use a PyTorch DataLoader and "
                         "`AutoResume(replay=True)`", True)
             if type(ex) is not _kept_class(): setattr(o, name, _kept(copy.copy(ex)))
+            if ex.buffer_size >= 1000 and getattr(dl, 'snapshot_every_n_steps', None) == 1:
+                warnings.warn(f"The shuffle buffer of {ex.buffer_size:,} examples is copied in each worker at each of "
+                              "torchdata's snapshots, one a batch: give the StatefulDataLoader snapshot_every_n_steps= "
+                              "the AutoResume(every_iter=...) interval")
         # the state it made for its pipeline when it was made, which a worker's first snapshot reports: the new pipeline's
         hf._prepare_ex_iterable_for_iteration()
     return dl
