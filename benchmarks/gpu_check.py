@@ -15,6 +15,11 @@
    `learn.save`, Accelerate `save_state`, DCP `async_save` (default and pinned-memory stagers), `AutoResume(background=True)` with the host
    copy and with the device snapshot; the limits (a copy into pinned host buffers, a clone on the device). `benchmarks/device_saves.py`.
 6. Issue 32, from process start to the first training batch of a resumed run, against a fresh start plus `cat file > /dev/null`.
+7. Issue 31, fastai's own `DistributedTrainer` (`with learn.distrib_ctx(): ...`, over Accelerate) with `AutoResume`, fp16, every rank
+   killed by SIGKILL and the job relaunched: each rank's weights, optimizer state and Recorder bitwise those of an uninterrupted run. On
+   one GPU a world of one rank launched by torchrun (`accelerate launch` with one process starts no process group, so `distrib_ctx`
+   would add nothing); on 2+ GPUs two ranks under `accelerate launch --multi_gpu`; with `--device cpu`, two gloo ranks under
+   `accelerate launch` with `ACCELERATE_USE_CPU=1`.
 
 Check 1 runs with `AutoResume(background=True)`, in fp16 and in fp32: on a GPU with room, its resume points are device snapshots.
 `--checks 5 1 6` runs only those, in that order.
@@ -67,9 +72,10 @@ def child(device, out, kill_at, precision):
     if hasattr(keep, 'last'): res['scaler'],res['scales'] = keep.last
     torch.save(to_plain(res), out)
 
-def run(cmd, timeout=300):
-    "Run `cmd` in its own session, killed with its children after `timeout` seconds; returns `(returncode, output)`"
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, start_new_session=True)
+def run(cmd, timeout=300, env=None):
+    "Run `cmd` in its own session (with `env` added), killed with its children after `timeout` seconds; returns `(returncode, output)`"
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(ENV, **(env or {})),
+                         start_new_session=True)
     try: out,_ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
@@ -141,6 +147,33 @@ def nccl(device, d):
     ranks = 'both ranks' if n == 2 else 'a world of one rank (one GPU)'
     return (False, f"{len(bad)} differences: {bad[:5]}") if bad else (True, f"bitwise on {ranks} after a killed rank ({backend}, fp16)")
 
+def fastai_ddp(device, d):
+    "Check 7: fastai's `distrib_ctx` with `AutoResume`, every rank killed, relaunched"
+    import torch
+    from helpers import diff_values
+    from test_elastic import free_port
+    n = min(2, torch.cuda.device_count()) if device == 'cuda' else 2
+    script = [str(ROOT/'tests'/'fastai_ddp_train.py')]
+    if n == 1: launch = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=1']
+    else: launch = [sys.executable, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', str(n), '--num_machines', '1',
+                    '--mixed_precision', 'no', '--dynamo_backend', 'no', '--main_process_port', str(free_port())]
+    env = dict(ACCELERATE_USE_CPU='1') if device == 'cpu' else {}
+    args = ['--fp16', '--every', '2', '--timeout', '60']
+    go = lambda folder, *more: run(launch + script + [str(folder), *args, *more], env=env)
+    rc,out = go(d/'ref')
+    if rc: return False, f"the uninterrupted run failed ({rc}): {out[-1500:]}"
+    rc,out = go(d/'run', '--kill-rank', '-2', '--kill-at', '7')
+    if rc == 0: return False, "the run meant to be killed finished"
+    rc,out = go(d/'run')
+    if rc or 'AutoResume: continuing from' not in out: return False, f"the relaunch failed ({rc}): {out[-1500:]}"
+    bad = []
+    for r in range(n):
+        a,b = torch.load(d/'ref'/f'rank{r}.pt', weights_only=False),torch.load(d/'run'/f'rank{r}.pt', weights_only=False)
+        bad += [x for k in ('model', 'opt', 'values') for x in diff_values(a[k], b[k], f'rank{r}.{k}')]
+    how = 'torchrun, a world of one rank (one GPU)' if n == 1 else f"accelerate launch, {n} ranks"
+    backend = 'nccl' if device == 'cuda' else 'gloo'
+    return (False, f"{len(bad)} differences: {bad[:5]}") if bad else (True, f"bitwise after every rank was killed ({how}, {backend}, fp16)")
+
 def cuda_rng(device, d):
     "Check 3: CUDA's generators given back by `set_rng_state`"
     import torch
@@ -192,7 +225,8 @@ def main():
               ('DDPTrainer under torchrun killed and relaunched', nccl), ('CUDA random streams', cuda_rng),
               ('save cost and background stall', lambda dev, d: costs(dev, d, a.quick)),
               ('what a resume point costs the training loop (issue 32)', lambda dev, d: issue32(dev, d, a.quick, 'saves')),
-              ('resume time (issue 32)', lambda dev, d: issue32(dev, d, a.quick, 'resumes'))]
+              ('resume time (issue 32)', lambda dev, d: issue32(dev, d, a.quick, 'resumes')),
+              ("fastai's distrib_ctx with AutoResume killed and relaunched (issue 31)", fastai_ddp)]
     for i in a.checks or range(1, len(checks)+1):  # in the order asked for
         name,f = checks[i-1]
         t = time.perf_counter()

@@ -488,11 +488,11 @@ from .store import *
 from .state import *
 from .state import qualname
 from .resume import *
-from .hooks import hide_probes, hide_progress, refuse_fastai_ddp
+from .hooks import hide_probes, hide_progress
 from .resume import read_on_rank0, restore_streams, restore_grads, fit_position, SeedBatches
 from .fitcalls import run_setup, setup_diff, fit_plan, check_plan, FitCalls, run_state, start_digest
 from .learner import *
-from .learner import log_history, load_through, bypassed
+from .learner import log_history, load_through, bypassed, plan_resume
 from .store import RunLog, point_at
 
 # %% ../nbs/03_autoresume.ipynb #9180fd52
@@ -658,7 +658,6 @@ class AutoResume(Callback):
         self._idle()  # every fit call starts from the same state: no signal noted, nothing decided
         self.state = 'looking'
         try:
-            refuse_fastai_ddp(self.learn)
             hide_probes(self.learn)
             check_resumable(self.dls.train)
             if self.replay: allow_replay(self.dls.train)
@@ -711,6 +710,10 @@ class AutoResume(Callback):
         if rec['fit_index'] == i:
             self._hypers_changed(rec.get('plan'), plan, file,
                                  "they apply from that resume point on, so the result matches neither run")
+            # another number of processes: refused here, before fastai prints, if the trainer cannot continue it
+            if self.elastic:
+                try: plan_resume(self.learn, dict(rec, file=str(file)), True)
+                except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
             return ('continue', file, rec, state)
         if (rec['fit_index'], rec['epoch'] is None) != (i-1, True):
             raise self._refusal(f"AutoResume: the newest resume point in {self.folder} is at {_describe(rec)}, but "
@@ -833,6 +836,9 @@ class AutoResume(Callback):
         rec = resume_record(state)
         if rec is None or rec.get('fit_index') != i or rec.get('epoch') is not None:
             raise self._refusal(f"AutoResume: {file} is named as the end state of fit call {i+1} but does not hold it")
+        if self.elastic:  # perhaps written on another number of processes: its trainer's state as this run's trainer (or none) takes it
+            rec = dict(rec, file=str(file))
+            plan_resume(self.learn, rec, True)
         # after a cached stage, the script loaded the weights and the optimizer itself, and its code since may have changed them
         # (`freeze` clears the optimizer's state): they stay as they are
         if not after: load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)

@@ -10,7 +10,7 @@ from .state import has_state
 from .resume import fastai_like
 
 # %% auto #0
-__all__ = ['init_distributed', 'DDPTrainer']
+__all__ = ['init_distributed', 'RankGate', 'DDPTrainer']
 
 # %% ../nbs/04_distributed.ipynb #ecc87386
 @fastai_like
@@ -86,6 +86,7 @@ from .resume import (world_size, group_device, collective, give_up, comm_failure
     stop_watching, seeded, SkipToIter, fit_position)
 from .learner import *
 from .learner import world_error
+from .hooks import is_a, when_imported
 from .fitcalls import run_setup
 
 # %% ../nbs/04_distributed.ipynb #08a835aa
@@ -142,7 +143,32 @@ class _NoBatches(GetAttr):
     def __iter__(self): return iter(())
 
 # %% ../nbs/04_distributed.ipynb #64fb11c1
-class DDPTrainer(Callback):
+class RankGate:
+    "What a trainer over a process group needs to resume exactly: the gate for events and stops, and every rank's random streams"
+    who = 'DDPTrainer'  # whose process group it is, in the errors
+    rank0_cbs,pending,rest,elastic,fitting,gate_secs = (),None,None,False,False,0.
+    inside_epoch = True  # a resume on another world size can continue inside an epoch
+
+    def _where(self, what:str)->str:
+        return f"{what} (epoch {getattr(self.learn, 'epoch', 0)}, batch {getattr(self.learn, 'iter', 0)})"
+
+    def _collective(self, f, what:str):
+        "Run the collective call `f`; if it fails, this rank gives up, saying what it could not do and where"
+        return collective(f, self._where(what), self.who)
+
+    def _data(self):
+        "The training DataLoader, without this trainer's sharding"
+        dl = self.learn.dls.train
+        return dl.dl if isinstance(dl, ShardDL) or is_a(dl, _FASTAI_DL) else dl
+
+    def _agree(self, stop:bool)->bool:
+        "Has any rank asked to stop?"
+        start = time.perf_counter()
+        res = self._collective(lambda: agree(stop), 'agree on whether to stop')
+        self.gate_secs += time.perf_counter() - start
+        return bool(res)
+
+class DDPTrainer(RankGate, Callback):
     "Train with `DistributedDataParallel` under `torchrun`: sharded data, output and files on rank 0, joint stops"
     order = 11
     # `learn.distributed_trainer`, and the key of its state in resume points, as up to 0.2.0
@@ -154,33 +180,13 @@ class DDPTrainer(Callback):
         self.timeout,self.rank0_cbs,self.ddp_kwargs = timeout,tuple(rank0_cbs),ddp_kwargs
         self.active = init_distributed(timeout)
         self.rank,self.world_size = (dist.get_rank(),dist.get_world_size()) if self.active else (0,1)
-        self.fitting,self.pending,self.gate_secs,self.rest,self.elastic = False,None,0.,None,False
-
-    def _where(self, what:str)->str:
-        return f"{what} (epoch {getattr(self.learn, 'epoch', 0)}, batch {getattr(self.learn, 'iter', 0)})"
-
-    def _collective(self, f, what:str):
-        "Run the collective call `f`; if it fails, this rank gives up, saying what it could not do and where"
-        return collective(f, self._where(what))
-
-    def _data(self):
-        "The training DataLoader this callback shards"
-        dl = self.learn.dls.train
-        return dl.dl if isinstance(dl, ShardDL) else dl
-
-    def _agree(self, stop:bool)->bool:
-        "Has any rank asked to stop?"
-        start = time.perf_counter()
-        res = self._collective(lambda: agree(stop), 'agree on whether to stop')
-        self.gate_secs += time.perf_counter() - start
-        return bool(res)
 
 # %% ../nbs/04_distributed.ipynb #f0d0d851
 DistributedTrainer = DDPTrainer  # 0.2.0's name, importable by name only: outside `__all__`, it shadows nothing
 
 # %% ../nbs/04_distributed.ipynb #f36b212f
 @patch
-def _call(self:DDPTrainer, event_name):
+def _call(self:RankGate, event_name):
     "Run the event on this rank's callbacks; hold back stops until all ranks take them together"
     self._restore_rank_rng()
     try:
@@ -190,7 +196,7 @@ def _call(self:DDPTrainer, event_name):
         self.stop = True
     except Exception as e:   # a collective call of fastai's (the `Recorder`'s gather) or of another callback
         if isinstance(e, CollectiveError) or not comm_failure(e): raise
-        raise give_up(self._where(f"finish {event_name} with the other ranks")) from e
+        raise give_up(self._where(f"finish {event_name} with the other ranks"), self.who) from e
     finally:
         if event_name == 'after_fit': self._cleanup()
     self._restore_rank_rng()
@@ -200,7 +206,27 @@ def _call(self:DDPTrainer, event_name):
             raise CancelFitException()
 
 @patch
-def _backward(self:DDPTrainer): self._collective(self.learn_backward, 'all-reduce the gradients')
+def _start_gate(self:RankGate):
+    "For this fit call: other ranks silent, without rank-0 callbacks or logger, and every event through `_call`"
+    learn = self.learn
+    if self.rank:
+        learn.logger = noop
+        for cb in learn.cbs:
+            if _rank0_only(cb, self.rank0_cbs): cb.run = False
+    self.fitting,self.stop,self.gate_secs,self.null = True,False,0.,open(os.devnull, 'w')
+    self.dispatch,learn._call_one = learn._call_one,self._call
+    self.learn_backward,learn._backward = learn._backward,self._gated_backward
+
+@patch
+def _release(self:RankGate):
+    "The learner's own event dispatch back, once the fit call ends"
+    if not self.fitting: return
+    for n in ('_call_one','_backward'): self.learn.__dict__.pop(n, None)
+    self.null.close()
+    self.fitting = False
+
+@patch
+def _gated_backward(self:RankGate): self._collective(self.learn_backward, 'all-reduce the gradients')
 
 @patch
 def _to_detach(self:DDPTrainer, b, cpu=True, gather=True):
@@ -208,7 +234,7 @@ def _to_detach(self:DDPTrainer, b, cpu=True, gather=True):
     return to_detach(b, cpu, gather and self.fitting and self.learn.training)
 
 @patch
-def _restore_rank_rng(self:DDPTrainer):
+def _restore_rank_rng(self:RankGate):
     if self.pending is not None: set_rng_state(self.pending); self.pending = None
 
 # %% ../nbs/04_distributed.ipynb #30f3c1d5
@@ -229,13 +255,7 @@ def before_fit(self:DDPTrainer):
                               "receive rank 0's data order")
     for dl,s in zip(learn.dls.loaders, states): set_dl_rng_state(dl, s)
     learn.dls.loaders = [shard(learn.dls.train, self.rank, self.world_size), *learn.dls.loaders[1:]]
-    if self.rank:
-        learn.logger = noop
-        for cb in learn.cbs:
-            if _rank0_only(cb, self.rank0_cbs): cb.run = False
-    self.fitting,self.stop,self.gate_secs,self.null = True,False,0.,open(os.devnull, 'w')
-    self.dispatch,self.learn_backward = learn._call_one,learn._backward
-    learn._call_one,learn._backward = self._call,self._backward
+    self._start_gate()
 
 @patch
 def _cleanup(self:DDPTrainer):
@@ -244,9 +264,7 @@ def _cleanup(self:DDPTrainer):
     learn = self.learn
     learn.model,learn.dls.loaders,learn.logger = self.old['model'],self.old['loaders'],self.old['logger']
     self.ddp = None  # its reducer holds the process group: freed now, not in the teardown (see `_leave_group`)
-    for n in ('_call_one','_backward'): learn.__dict__.pop(n, None)
-    self.null.close()
-    self.fitting = False
+    self._release()
 
 @patch
 def before_validate(self:DDPTrainer):
@@ -280,7 +298,7 @@ def _epoch_position(self:DDPTrainer)->int|None:
     return offset + min((it-first)*(dl.bs or 1)*self.world_size, dl.n-offset)
 
 @patch
-def state_dict(self:DDPTrainer):
+def state_dict(self:RankGate):
     "World size, position in the epoch's sample order, and every rank's random streams (all of them on rank 0)"
     skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
     er = getattr(skip, 'epoch_rng', None)
@@ -305,7 +323,7 @@ def _rank_streams(sd, rank):
     return dict(rng=rng, epoch_rng=epoch)
 
 @patch
-def load_state_dict(self:DDPTrainer, sd):
+def load_state_dict(self:RankGate, sd):
     "Check the world size; restore this rank's random streams"
     if sd['world_size'] != self.world_size and not self.elastic:
         raise world_error('The resume point', sd['world_size'], self.world_size)
@@ -384,7 +402,7 @@ def _saved_run(rp)->dict:
                 rest=None, ranks=[dict(rng=rp['rng'], epoch_rng=(rp['epoch_rng'] or {}).get('rng'))])
 
 @patch
-def _plan_stream(self:DDPTrainer, rp:dict, sd:dict, now:int):
+def _plan_stream(self:RankGate, rp:dict, sd:dict, now:int):
     "On `now` processes, continue `rp`, a run on a stream: at an epoch's end, if the stream splits anew (`reshards`)"
     file,saved,dl = rp['file'],sd['world_size'],self._data()
     if rp['iter'] or not reshards(dl, now):
@@ -399,7 +417,13 @@ def _plan_stream(self:DDPTrainer, rp:dict, sd:dict, now:int):
     rp['callbacks'] = dict(rp['callbacks'], distributed_trainer=sd)
 
 @patch
-def plan_resume(self:DDPTrainer, rp:dict|None, # the resume point `learn.load` leaves for the next `fit`, or `None`
+def _shard_setup(self:DDPTrainer, dl, ws:int)->dict:
+    "The batches and samples of a rank's share of `dl` on `ws` processes, as `run_setup` counts them"
+    full = ShardDL(dl, 0, ws)
+    return dict(n_iter=len(full), n_items=full.n)
+
+@patch
+def plan_resume(self:RankGate, rp:dict|None, # the resume point `learn.load` leaves for the next `fit`, or `None`
                 elastic:bool=False, # continue it on another world size
                ):
     "Check the world size of `rp`; on another one (`elastic`), plan the rest of the epoch; called by `Learner.load`"
@@ -412,6 +436,13 @@ def plan_resume(self:DDPTrainer, rp:dict|None, # the resume point `learn.load` l
         return
     if not elastic: raise world_error(file, saved, now)
     if is_stream(self._data()): return self._plan_stream(rp, sd, now)
+    if rp['iter'] and not self.inside_epoch:
+        raise CheckpointError(f"{file} is inside an epoch of a run on {saved} process(es); under fastai's "
+                              "DistributedTrainer each rank trains a block of the epoch's order (its DistributedDL), so "
+                              f"on {now} process(es) the samples not yet trained would not be shared out once each. "
+                              f"Relaunch with {saved} process(es); or continue from an epoch's end (AutoResume(elastic="
+                              "True) without every_iter or every_secs saves only there); or train with DDPTrainer, whose "
+                              "elastic resumes continue inside an epoch")
     if 'n' not in sd or (sd['position'] is None and rp['iter']):
         raise CheckpointError(f"{file} does not record where the epoch is in its sample order (written by "
                               "resumable_train 0.1, or with a DataLoader that is not fastai's); "
@@ -422,11 +453,52 @@ def plan_resume(self:DDPTrainer, rp:dict|None, # the resume point `learn.load` l
         raise CheckpointError(f"{file} holds a run over {sd['n']} training samples in batches of {sd['bs']}; "
                               "this one has "
                               f"{getattr(dl, 'n', None)} in batches of {getattr(dl, 'bs', None)}")
-    full = ShardDL(dl, 0, now)
     # what this world size changes; the rest is checked
-    rp['setup'] = dict(rp['setup'], n_iter=len(full), n_items=full.n, world_size=now)
+    rp['setup'] = dict(rp['setup'], **self._shard_setup(dl, now), world_size=now)
     rp['callbacks'] = dict(rp['callbacks'], distributed_trainer=sd)
     if not rp['iter']: return
     # the batch of this run's epoch where the saved position falls
     rp['iter'] = max(1, sd['position']//((dl.bs or 1)*now))
     self.rest = dict(epoch=rp['epoch'], offset=sd['position'], first=rp['iter'], pct=rp['pct_train'])
+
+# %% ../nbs/04_distributed.ipynb #fa5t0002
+_FASTAI_DL = 'fastai.distributed.DistributedDL'
+
+def _broadcast_idxs(self, t, rank):
+    "fastai's `DistributedDL._broadcast` on the process group's own device (fastai's moves it to CUDA, which gloo cannot use)"
+    t = torch.LongTensor(t).to(group_device())
+    collective(lambda: dist.broadcast(t, rank), "receive rank 0's data order", 'DistributedTrainer')
+    return t.cpu().tolist()
+
+def _block_position(self)->int|None:
+    "At an epoch's start 0, else `None`: each rank trains a block of the order, so what is trained is no prefix of it"
+    pos = fit_position(self.learn)
+    return 0 if pos is not None and not pos[1] else None
+
+def _block_setup(self, dl, ws:int)->dict:
+    "A rank's share of `dl` on `ws` processes, as fastai's `DistributedDL` counts it"
+    return dict(n_iter=-(-len(dl)//ws), n_items=dl.n)
+
+def _adopt_fastai_ddp(module):
+    "Make fastai's `DistributedTrainer` a `RankGate`, and its `DistributedDL` resumable and able to run on CPU"
+    DT,DDL = module.DistributedTrainer,module.DistributedDL
+    if any(c.__name__ == 'RankGate' for c in DT.__mro__): return  # adopted already (by this module, or a notebook's copy of it)
+    # the one class whose bases the package changes, and why: `to_distributed` builds fastai's class, so a subclass would
+    # never be used; as a `RankGate` it keeps fastai's own methods (model, loaders, Accelerate) and gains the gate and the state
+    DT.__bases__ = (RankGate, *DT.__bases__)
+    DT.who,DT.inside_epoch = 'DistributedTrainer',False
+    DT.active = property(lambda self: _group())
+    DT.rank = property(lambda self: dist.get_rank() if _group() else 0)
+    DT.world_size = property(lambda self: dist.get_world_size() if _group() else 1)
+    DT._epoch_position,DT._shard_setup,DT._cleanup = _block_position,_block_setup,RankGate._release
+    fastai_before_fit = DT.before_fit
+    def before_fit(self):
+        "fastai's `before_fit`; then, in a fit call, the gate"
+        self._cleanup()  # a fit call that ended in an exception left it
+        fastai_before_fit(self)
+        if self.active and self.learn.resume.fitting: self._start_gate()
+    before_fit._fastai,_broadcast_idxs._fastai = fastai_before_fit,DDL._broadcast  # for the version guard
+    DT.before_fit,DDL._broadcast = before_fit,_broadcast_idxs
+    DDL.rng = property(lambda self: self.dl.rng)  # the order's stream is the wrapped DataLoader's
+
+when_imported('fastai.distributed', _adopt_fastai_ddp)

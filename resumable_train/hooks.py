@@ -43,10 +43,15 @@ _RELIED_ON = {  # what the package relies on, as fastai 2.8.8-2.8.12 write it: s
     'Recorder.after_epoch': '74aeee0c3f56',
     # the save and load the package replaces (`learner`), and what text learners did instead
     'Learner.save': '6e7cbc8dfa6f', 'Learner.load': '94432abd9d4c', 'TextLearner.load': 'f19056c8bbfe',
-    'load_model_text': '5a324ff10d0d'}
+    'load_model_text': '5a324ff10d0d',
+    # fastai's Accelerate trainer, which `distributed` makes resumable (and able to run on a CPU)
+    'DistributedTrainer.before_fit': 'fe6413ee1d09', 'DistributedTrainer.after_fit': 'e08e371b2fd6',
+    'DistributedTrainer.before_train': '0d4047f7d823', 'DistributedDL.__init__': 'a9f417c822ac',
+    'DistributedDL.get_idxs': '2a133c40284e', 'DistributedDL._broadcast': 'b73ee1d82b80'}
 _OWNERS = dict(Learner=Learner, Callback=Callback, TrainEvalCallback=TrainEvalCallback, DataLoader=DataLoader,
                _FakeLoader=_FakeLoader, Recorder=Recorder)
-_LATER = ('TextLearner.', 'load_model_text')  # in `fastai.text.learner`, checked when it is imported (see below)
+# in `fastai.text.learner` and `fastai.distributed`, checked when they are imported (see below)
+_LATER = ('TextLearner.', 'load_model_text', 'DistributedTrainer.', 'DistributedDL.')
 
 def _source_hash(f)->str: return hashlib.sha256(inspect.getsource(f).encode()).hexdigest()[:12]
 
@@ -141,13 +146,15 @@ def fit_events(learn)->FitEvents|None: return next((cb for cb in learn.cbs if is
 # %% ../nbs/01a_hooks.ipynb #25f89df8
 class _AfterImport(importlib.abc.MetaPathFinder):
     "Call a function on a module right after it is first imported, without importing it"
-    def __init__(self): self.todo = {}
+    def __init__(self): self.todo = {}  # module name: the functions to call, in order
     def find_spec(self, name, path, target=None):
         if name not in self.todo: return None
         spec = importlib.machinery.PathFinder.find_spec(name, path, target)
         if spec is None or spec.loader is None: return None
         run = spec.loader.exec_module
-        def _exec(module): run(module); self.todo.pop(name)(module)
+        def _exec(module):
+            run(module)
+            for f in self.todo.pop(name): f(module)
         spec.loader.exec_module = _exec
         return spec
 
@@ -159,7 +166,7 @@ sys.meta_path.insert(0, _after_import)
 def when_imported(name:str, f):
     "Call `f(module)` on module `name` now if it is imported, else right after it is"
     if name in sys.modules: f(sys.modules[name])
-    else: _after_import.todo[name] = f
+    else: _after_import.todo.setdefault(name, []).append(f)
 
 # %% ../nbs/01a_hooks.ipynb #0915f9df
 def _plain(v):
@@ -283,16 +290,14 @@ def hide_progress(learn):
         if is_a(cb, 'fastai.callback.progress.ProgressCallback'): cb.run = False
 
 # %% ../nbs/01a_hooks.ipynb #9fb46504
-_FASTAI_DDP = 'fastai.distributed.DistributedTrainer'
+def _check_distributed(module):
+    "Refuse a `fastai.distributed` whose trainer or loader differ from those `distributed` adopts"
+    owners = dict(DistributedTrainer=module.DistributedTrainer, DistributedDL=module.DistributedDL)
+    now = {n: getattr(owners[n.split('.')[0]], n.split('.')[1]) for n in _RELIED_ON if n.startswith(tuple(owners))}
+    changed = [n for n,f in now.items() if _source_hash(getattr(f, '_fastai', f)) != _RELIED_ON[n]]
+    if changed: _refuse_fastai(changed)
 
-def refuse_fastai_ddp(learn):
-    "Refuse fastai's Accelerate-based `DistributedTrainer`, whose runs `AutoResume` cannot continue exactly"
-    if not any(is_a(cb, _FASTAI_DDP) for cb in learn.cbs): return
-    raise RuntimeError("AutoResume cannot resume fastai's DistributedTrainer (fastai.distributed, added by "
-        "`to_distributed` or `distrib_ctx`): its sharded DataLoaders do not fast-forward, every rank writes files, "
-        "and its stops are not taken by all ranks together. Use resumable_train's DDPTrainer instead: "
-        "`Learner(..., cbs=[DDPTrainer(), AutoResume()])` under torchrun (or "
-        "`accelerate launch --multi_gpu`), without `to_distributed` or `distrib_ctx`")
+when_imported('fastai.distributed', _check_distributed)
 
 # %% ../nbs/01a_hooks.ipynb #36ca9ad9
 import os, re, sys

@@ -17,9 +17,10 @@ from .files import start_history, append_history
 from .state import *
 from .state import logged_histories
 from .store import is_url, locate
-from .hooks import short_refusals, FitEvents, fastai_code, fit_call, is_a
+from .hooks import short_refusals, FitEvents, fastai_code, fit_call, is_a, when_imported
 from .resume import *
 from .resume import world_size, read_on_rank0, log_owner, restore_rest
+from .fitcalls import run_setup
 
 # %% auto #0
 __all__ = []
@@ -118,15 +119,26 @@ def world_error(file, saved, now):
         "epoch's samples in other batches; or load it with with_iter=False to start a new run from its weights")
 
 # %% ../nbs/02b_learner.ipynb #de796443
-def _check_world(rec, file):
-    saved = rec['callbacks'].get('distributed_trainer', {}).get('world_size', 1)
-    if saved != world_size(): raise world_error(file, saved, world_size())
+def _check_world(learn, rp, file, elastic):
+    "A resume point of another world size, in a run without a trainer to plan it (fastai's `distrib_ctx` on one process)"
+    saved,now = rp['callbacks'].get('distributed_trainer', {}).get('world_size', 1),world_size()
+    if saved == now: return
+    if not elastic: raise world_error(file, saved, now)
+    if rp['iter']:
+        raise CheckpointError(f"{file} is inside an epoch of a run on {saved} process(es), and this run on {now} has no "
+                              "trainer to share out the rest of that epoch (fastai's distrib_ctx adds none to a single "
+                              f"process): relaunch with {saved} process(es), or continue from an epoch's end "
+                              "(AutoResume(elastic=True) without every_iter or every_secs saves only there)")
+    # from an epoch's end: the epochs to come are this run's own; the saved trainer's state has no callback to go to
+    setup = run_setup(learn, rp['setup']['n_epoch'])
+    rp['setup'] = dict(rp['setup'], **{k: setup[k] for k in ('n_iter', 'n_items', 'world_size')})
+    rp['callbacks'] = {k:v for k,v in rp['callbacks'].items() if k != 'distributed_trainer'}
 
-def _plan_resume(learn, rp, elastic)->bool:
-    "Let the callbacks that depend on the number of processes (`DDPTrainer`) check `rp` and plan how it continues"
+def plan_resume(learn, rp, elastic):
+    "Let the callbacks that depend on the number of processes (the trainers) check `rp` and plan how it continues"
     cbs = [cb for cb in learn.cbs if callable(getattr(cb, 'plan_resume', None))]
     for cb in cbs: cb.plan_resume(rp, elastic)
-    return bool(cbs)
+    if rp is not None and not cbs: _check_world(learn, rp, rp['file'], elastic)
 
 _loads = 0  # calls of the package's `Learner.load`: `_load_through` checks that a subclass's `load` reaches it
 
@@ -188,9 +200,9 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
         self.resume.pending = None
         if with_iter and opt and rec is not None and rec.get('epoch') is not None:
             rp = dict(rec, file=str(file), check=check_setup, strict_hypers=strict_hypers, fresh=list(fresh_callbacks))
-            if not _plan_resume(self, rp, elastic): _check_world(rec, file)
+            plan_resume(self, rp, elastic)
             self.resume.pending = rp
-        else: _plan_resume(self, None, elastic)
+        else: plan_resume(self, None, elastic)
         if with_iter and opt and not self.resume.fitting and (rec or {}).get('rest') is not None:
             restore_rest(self, rec['rest'])  # a stage saved between two fit calls goes on as it went on then
             self.resume.rested = True
@@ -241,3 +253,9 @@ def load_through(learn, file, **kwargs):
         raise
     if _loads == before: raise bypassed(learn, 'load')
     return learn
+
+# %% ../nbs/02b_learner.ipynb #fa5t0003
+import importlib
+# fastai's own `DistributedTrainer` saves and loads through `distributed`, which imports this module: it is imported once
+# `fastai.distributed` is, last here so that this module is whole by then (the user may have imported fastai.distributed first)
+when_imported('fastai.distributed', lambda m: importlib.import_module('resumable_train.distributed'))

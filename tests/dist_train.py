@@ -34,28 +34,14 @@ rank = int(os.environ.get('RANK', 0))
 from fastai.basics import *
 from fastai.test_utils import synth_dbunch
 from fastai.callback.progress import CSVLogger
+from helpers import Writes
+writes = Writes()   # the files this rank writes while training
+
 from fastai.callback.tracker import SaveModelCallback
 import resumable_train
 from resumable_train.autoresume import AutoResume
 from resumable_train.distributed import DDPTrainer
 
-writes,recording = [],False
-_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-def _audit(event, args):
-    "Record each path opened for writing, renamed to, linked or removed while `recording`, by any of python's file functions"
-    if not recording: return
-    if event == 'open' and not isinstance(args[0], int) and args[2] & _WRITE: writes.append(os.fsdecode(args[0]))
-    elif event in ('os.rename', 'os.link', 'os.symlink'): writes.append(os.fsdecode(args[1]))   # os.rename: os.replace's too
-    elif event in ('os.remove', 'os.truncate') and not isinstance(args[0], int): writes.append(os.fsdecode(args[0]))
-# Audit events, not replaced functions: a module that kept its own reference to `open` is seen too (python 3.10's pathlib: `Path.open`
-# calls the `io.open` it bound at import, and fastai's CSVLogger opens history.csv with it)
-sys.addaudithook(_audit)
-_save = torch.save
-def _recorded_save(obj, f, *a, **k):
-    "`torch.save`, recording `f` if it is a path: torch writes to a path from C++, which raises no audit event"
-    if recording and isinstance(f, (str, Path)): writes.append(str(f))
-    return _save(obj, f, *a, **k)
-torch.save = _recorded_save
 
 class RankStream(torch.utils.data.IterableDataset):
     "This rank's part of a stream over `ds`: items rank, rank+world, ... (as many on every rank); it keeps its position, the index of its next item, which differs by rank"
@@ -146,17 +132,17 @@ cbs += [AutoResume(every_iter=args.every, elastic=args.elastic, replay=args.sour
 dls = train_data(dls)
 learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=[mae, rmse], cbs=cbs, path=out/'run')
 if args.fp16: learn.to_fp16()
-recording = True
+writes.on = True
 start = time.perf_counter()
 try: learn.fit(args.epochs, 1e-2)
 except SystemExit as e:
-    recording = False
+    writes.on = False
     (out/f'exit{rank}').write_text(f'{e.code} {learn.train_iter}')   # this rank's status and batch (torchrun's status says less)
     raise
 secs = time.perf_counter() - start
-recording = False
+writes.on = False
 learn.remove_cbs([CSVLogger, AutoResume])   # `validate` runs their before_fit/after_fit, which would write
 res = dict(model={k: v.clone() for k, v in learn.model.state_dict().items()}, values=learn.recorder.values, train_iter=learn.train_iter,
-           epochs=len(learn.recorder.values), validate=list(learn.validate()), writes=writes, secs=secs,
+           epochs=len(learn.recorder.values), validate=list(learn.validate()), writes=list(writes), secs=secs,
            gate_secs=trainer.gate_secs, world_size=trainer.world_size)
 torch.save(res, out/f'rank{rank}.pt')

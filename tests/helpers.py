@@ -93,3 +93,26 @@ def assert_same(ref, got, what=''):
     "Assert two results are bitwise identical"
     d = compare_results(ref, got)
     assert not d, f"{what}: {len(d)} differences, first: " + '\n'.join(d[:8])
+
+_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+class Writes(list):
+    "The paths this process opens for writing, renames to, links or removes while `on`, by any of python's file functions"
+    # Audit events, not replaced functions: a module that kept its own reference to `open` is seen too (python 3.10's pathlib:
+    # `Path.open` calls the `io.open` it bound at import, and fastai's CSVLogger opens history.csv with it)
+    def __init__(self):
+        super().__init__()
+        self.on = False
+        sys.addaudithook(self._audit)
+        save = torch.save
+        def _save(obj, f, *args, **kwargs):
+            "`torch.save`, recording `f` if it is a path: torch writes to a path from C++, which raises no audit event"
+            if self.on and isinstance(f, (str, Path)): self.append(str(f))
+            return save(obj, f, *args, **kwargs)
+        torch.save = _save
+
+    def _audit(self, event, args):
+        if not self.on: return
+        if event == 'open' and not isinstance(args[0], int) and args[2] & _WRITE: self.append(os.fsdecode(args[0]))
+        elif event in ('os.rename', 'os.link', 'os.symlink'): self.append(os.fsdecode(args[1]))   # os.rename: os.replace's too
+        elif event in ('os.remove', 'os.truncate') and not isinstance(args[0], int): self.append(os.fsdecode(args[0]))

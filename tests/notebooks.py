@@ -4,9 +4,9 @@
 
 Each notebook runs as `nbdev-test --flags slow` runs it: every cell but its `#| eval: false` ones, the cells flagged with a `tst_flags`
 flag (`#| slow`) included, so that their outputs are checked too (`nbdev-test` alone leaves them out). Each runs in a process of its own: the notebooks
-patch fastai's `Learner` as they run. The processes are forked from this one, which imports nbdev's runner and the libraries under fastai
-(torch, pandas, matplotlib, ...) once, so no notebook pays for them; not fastai itself, whose import draws from python's random stream
-(a notebook that imports it draws after the seeding below). Its outputs are then normalised (see `normalise`: dates, temporary folders,
+patch fastai's `Learner` as they run. The processes are forked from this one, which imports nbdev's runner, fastai with its applications and
+the libraries under it (torch, pandas, matplotlib, ...) once, so no notebook pays for them (importing fastai draws from python's
+random stream: here, before the seeding below, so not in a notebook). Its outputs are then normalised (see `normalise`: dates, temporary folders,
 timings, memory addresses, the warnings that installed libraries print) and compared with the outputs kept in the notebook; a notebook
 whose outputs differ fails, with a diff. With `--update`, the new outputs are written into the notebooks instead (then run
 `nbdev-clean`): `bash tests/run.sh --update-outputs` does both, and is how the outputs are regenerated after a change. The notebooks in
@@ -172,6 +172,7 @@ def main():
     from helpers import quiet_library_warnings
     quiet_library_warnings()  # installed libraries' warnings that the package does not cause, as in pytest
     import nbdev.test, IPython, torch, pandas, matplotlib.pyplot, PIL.Image, fastcore.all, fastprogress.fastprogress  # once, for the forks
+    import fastai.basics, fastai.callback.all, fastai.text.all, fastai.tabular.all, fastai.vision.all  # fastai too (see the docstring)
     todo,running,failed = sorted(nbs, key=lambda n: -n.stat().st_size),{},0  # the longest first
     while todo or running:
         while todo and len(running) < a.jobs:

@@ -20,10 +20,11 @@ for m in resumable_train/*.py; do
   n=$(basename "$m" .py); case "$n" in __init__|_modidx) continue;; esac
   grep -lq "default_exp $n\b" nbs/*.ipynb || { echo "FAIL: $m has no notebook (#| default_exp $n)"; exit 1; }
 done
-# The process-level tests run beside the notebooks, three pytest processes in all: most of those tests wait on processes of their own
-# (kills, timeouts, launchers, a server), so the two cores stay busy. `apart`: the torchrun and process-group tests, in one process from
-# the start; `later`: tests that mostly wait, once the notebooks are done; every other test file in one process from the start.
-# Then the lowest fastai that pyproject.toml admits (2.8.8): its training loop is the one the package checks at import, and of the
+# The process-level tests run beside the notebooks, in one pytest whose test files are spread over 3 worker processes (pytest-xdist; a
+# file's tests stay in one worker, where they share their reference runs): most of those tests wait on processes of their own (kills,
+# timeouts, launchers, a server), so the two cores stay busy. The files go out longest first, so that the workers end together; a file
+# not in `longest` goes after them.
+# Once the notebooks are done, the lowest fastai that pyproject.toml admits (2.8.8): its training loop is the one the package checks at import, and of the
 # applications' code only fastai.tabular differs from 2.8.12, so the tabular and collab kill-and-rerun tests run again on it
 # (2.8.8's own vision does not run with this torchvision, with or without the package). The README's test command puts it beside the
 # venv's packages, not installed; the suite itself installs nothing, and says so when it is missing.
@@ -42,12 +43,12 @@ block() {  # block N WHAT ARGS...: pytest ARGS in one process
 lowest() {
   [ -d "$low/fastai" ] || return 0
   local v=$(PYTHONPATH="$low:$PYTHONPATH" python -c 'import fastai; print(fastai.__version__)')
-  PYTHONPATH="$low:$PYTHONPATH" block 4 "the tabular and collab tests again, on fastai $v" tests/test_apps.py -k 'tabular or collab'
+  PYTHONPATH="$low:$PYTHONPATH" block 2 "the tabular and collab tests again, on fastai $v" tests/test_apps.py -k 'tabular or collab'
 }
-apart=(tests/test_multinode.py tests/test_distributed.py tests/test_elastic.py)
-later=(tests/test_remote.py tests/test_cli.py tests/test_group_signal.py)
-block 1 "torchrun and process groups" "${apart[@]}" & pytest1_pid=$!
-{ block 2 "the other test files" tests "${apart[@]/#/--ignore=}" "${later[@]/#/--ignore=}" && lowest; } & pytest2_pid=$!
+longest=(group_signal multinode distributed elastic fastai_ddp benchmarks apps refusals remote text cli random_scripts cells exact imports)
+files=("${longest[@]/#/tests/test_}"); files=("${files[@]/%/.py}")
+for f in tests/test_*.py; do [[ " ${files[*]} " = *" $f "* ]] || files+=("$f"); done
+block 1 "every test file, over 3 processes" -n 3 --dist loadfile --no-loadscope-reorder "${files[@]}" & pytest_pid=$!
 # The docs: what nbdev-proc-nbs does (the sidebar, each notebook processed for Quarto, show_doc run on every export), without its step
 # that downloads Quarto and installs it with sudo where it is missing (the suite installs nothing; if nbdev renames that step, this fails
 # with a KeyError instead of installing). Rendering the pages (nbdev-docs) needs Quarto and is not part of the suite.
@@ -56,9 +57,9 @@ proc_nbs='import nbdev.quarto as q; vars(q)["_ensure_quarto"]; q._ensure_quarto 
 python -c "$proc_nbs" >"$logs/proc.log" 2>&1 || { cat "$logs/proc.log"; echo "FAIL: nbdev-proc-nbs: the docs do not build"; exit 1; }
 echo "== notebooks: tests, and outputs current"
 nb_rc=0; python tests/notebooks.py || nb_rc=$?
-py_rc=0; block 3 "tests that mostly wait: remote, cli, group signals" "${later[@]}" || py_rc=$?
-wait $pytest1_pid || py_rc=$?; wait $pytest2_pid || py_rc=$?
-for n in 1 2 3 4; do [ "$(cat "$logs/rc$n" 2>/dev/null || echo 0)" = 0 ] || { echo "== pytest $n failed:"; cat "$logs/pytest$n.log"; }; done
+py_rc=0; lowest || py_rc=$?  # once the notebooks are done
+wait $pytest_pid || py_rc=$?
+for n in 1 2; do [ "$(cat "$logs/rc$n" 2>/dev/null || echo 0)" = 0 ] || { echo "== pytest $n failed:"; cat "$logs/pytest$n.log"; }; done
 echo "== $(( $(date +%s)-start ))s"
 [ $nb_rc = 0 ] || { echo "FAIL: notebooks"; exit 1; }
 [ $py_rc = 0 ] || { echo "FAIL: process-level tests"; exit 1; }

@@ -13,11 +13,12 @@ from test_elastic import free_port
 SCRIPT = TESTS/'dist_train.py'
 TIMEOUT = 20  # the process-group timeout the script gives DDPTrainer
 
-def start_ranks(forker, out, *args, n=2):
-    "Fork `n` ranks of dist_train.py, with the environment torchrun gives its workers"
+def start_ranks(forker, out, *args, n=2, script=SCRIPT, env=None):
+    "Fork `n` ranks of `script` (dist_train.py), with the environment torchrun gives its workers (and `env`)"
     port = free_port()
-    env = lambda r: dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    return [forker.start(SCRIPT, out, '--timeout', TIMEOUT, *args, env=env(r)) for r in range(n)]
+    renv = lambda r: {**dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port)),
+                      **(env or {})}
+    return [forker.start(script, out, '--timeout', TIMEOUT, *args, env=renv(r)) for r in range(n)]
 
 def wait_ranks(ps, timeout=120)->list:
     "Wait for every rank, at most `timeout` seconds in all (then kill them all); `(returncode, output)` of each"
@@ -30,9 +31,9 @@ def wait_ranks(ps, timeout=120)->list:
         for p in ps: p.kill_group()
     return [(p.returncode, o) for p,o in zip(ps, outs)]
 
-def ranks(forker, out, *args, ok=True, timeout=120)->list:
-    "Run 2 forked ranks of dist_train.py to their end; `(returncode, output)` of each"
-    res = wait_ranks(start_ranks(forker, out, *args), timeout)
+def ranks(forker, out, *args, ok=True, timeout=120, **kwargs)->list:
+    "Run 2 forked ranks of dist_train.py (or `script`) to their end; `(returncode, output)` of each"
+    res = wait_ranks(start_ranks(forker, out, *args, **kwargs), timeout)
     if ok: assert all(rc == 0 for rc,_ in res), why(res)
     return res
 
