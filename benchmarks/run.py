@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmarks of resumable_train: fast-forward, checkpoint cost, AutoResume overhead, background-write stalls, memory, uploads to S3,
 peers (Accelerate, torch.distributed.checkpoint) in the same run, time from SIGTERM to a durable resume point,
-the command's start-up time, resuming a stream.
+the command's start-up time, resuming a stream (and a Hugging Face stream with a shuffle buffer).
 
     python benchmarks/run.py            # all, full size (a few minutes); tables printed and kept in benchmarks/results/
     python benchmarks/run.py --quick    # smoke run, seconds
@@ -11,7 +11,7 @@ import argparse, json, sys, time
 from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # these modules, then this checkout's package
 
-NAMES = ('fastforward', 'checkpoint', 'overhead', 'stall', 'memory', 'upload', 'peers', 'sigterm', 'cli', 'streams')
+NAMES = ('fastforward', 'checkpoint', 'overhead', 'stall', 'memory', 'upload', 'peers', 'sigterm', 'cli', 'streams', 'streams_hf')
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,11 +35,11 @@ def main(argv=None):
     import fastforward, checkpoint, overhead, stall, upload, peers, sigterm, cli, streams
     out = Path(a.out) if a.out else RESULTS/'quick' if a.quick else RESULTS
     info = machine_info(a.quick, a.device)
-    mods = dict(fastforward=fastforward, checkpoint=checkpoint, overhead=overhead, stall=stall, memory=memory, upload=upload, peers=peers, sigterm=sigterm, cli=cli, streams=streams)
+    mods = dict(fastforward=fastforward, checkpoint=checkpoint, overhead=overhead, stall=stall, memory=memory, upload=upload, peers=peers, sigterm=sigterm, cli=cli, streams=streams, streams_hf=streams.run_hf)
     for n in a.only:
         t0 = time.perf_counter()
-        kw = dict(device=a.device) if n not in ('fastforward', 'streams') else {}
-        t = mods[n].run(quick=a.quick, reps=a.reps, **kw)
+        kw = dict(device=a.device) if n not in ('fastforward', 'streams', 'streams_hf') else {}
+        t = getattr(mods[n], 'run', mods[n])(quick=a.quick, reps=a.reps, **kw)
         t.save(out, info)
         print(t.markdown(info) + f"({n}: {time.perf_counter()-t0:.0f} s; written to {out/n}.md and .json)\n", flush=True)
 

@@ -271,7 +271,7 @@ class StandInCopies(DeviceCopies):
         return out
 
 # %% ../nbs/03_autoresume.ipynb #a37cb2ca
-import os, signal, sys, threading, time
+import atexit, os, signal, sys, threading, time, weakref
 from fastai.torch_core import rank_distrib
 
 # %% ../nbs/03_autoresume.ipynb #96f070c2
@@ -331,6 +331,16 @@ class _IgnoreSignals:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signums)
         if self.f is not None: self.f(worker_id)
 
+_signalled = weakref.WeakSet()  # the loaders whose workers ignore the stop signals
+
+@atexit.register
+def _end_workers():
+    "End the workers of an epoch left unfinished (torchdata's loader keeps its iterator): ignoring SIGTERM, they would hang the exit"
+    # python's `multiprocessing` stops its daemonic children at exit by SIGTERM, then waits for them; this runs before
+    for dl in list(_signalled):
+        it = getattr(dl, '_iterator', None)
+        if callable(getattr(it, '_shutdown_workers', None)): it._shutdown_workers()
+
 class WorkerSignals:
     "Keep the stop signals away from DataLoader workers: the main process stops the run for them, at a safe point"
     def __init__(self, signums): self.signums,self.wrapped,self.mask = set(signums),[],None
@@ -343,6 +353,7 @@ class WorkerSignals:
             if not hasattr(o, 'worker_init_fn') or isinstance(o.worker_init_fn, _IgnoreSignals): continue
             self.wrapped.append((o, o.worker_init_fn))
             o.worker_init_fn = _IgnoreSignals(o.worker_init_fn, self.signums)
+            _signalled.add(o)
 
     def hold(self, on:bool=True):
         "Hold the stop signals back from this thread while it forks workers; they are delivered once it lets go"
@@ -650,6 +661,7 @@ class AutoResume(Callback):
             hide_probes(self.learn)
             check_resumable(self.dls.train)
             if self.replay: allow_replay(self.dls.train)
+            keep_buffers(self.dls.train)  # a Hugging Face shuffle buffer keeps its content in its state
             # refuse, before the first batch, a loader that no run could continue inside an epoch
             if self.every_iter or self.every_secs: loader_kind(self.dls.train)
             self.run_state = run_state(self.store, self.fname)

@@ -87,6 +87,7 @@ from .resume import (world_size, group_device, collective, give_up, comm_failure
 from .learner import *
 from .learner import world_error
 from .hooks import is_a, when_imported
+from .fitcalls import run_setup
 
 # %% ../nbs/04_distributed.ipynb #08a835aa
 def _torchrun_env()->bool: return all(k in os.environ for k in ('RANK','WORLD_SIZE','MASTER_ADDR','MASTER_PORT'))
@@ -402,6 +403,21 @@ def _saved_run(rp)->dict:
                 rest=None, ranks=[dict(rng=rp['rng'], epoch_rng=(rp['epoch_rng'] or {}).get('rng'))])
 
 @patch
+def _plan_stream(self:RankGate, rp:dict, sd:dict, now:int):
+    "On `now` processes, continue `rp`, a run on a stream: at an epoch's end, if the stream splits anew (`reshards`)"
+    file,saved,dl = rp['file'],sd['world_size'],self._data()
+    if rp['iter'] or not reshards(dl, now):
+        split = ("; a Hugging Face IterableDataset split among the processes by shards (`split_dataset_by_node`, "
+                 f"num_shards ≥ {now}) changes size at an epoch's end, not inside one" if reshards(dl, now) else "")
+        raise CheckpointError(f"{file} holds a run on {saved} process(es) whose training data is a stream "
+                              f"({type(dl).__name__}), whose position each rank keeps for its own part: "
+                              f"on {now} process(es) every rank would read another part of it{split}. Relaunch with "
+                              f"{saved} process(es), or load it with with_iter=False to start a new run from its weights")
+    setup = run_setup(self.learn, rp['setup']['n_epoch'])  # what this world size changes; the rest is checked
+    rp['setup'] = dict(rp['setup'], **{k: setup[k] for k in ('n_iter', 'n_items', 'world_size')})
+    rp['callbacks'] = dict(rp['callbacks'], distributed_trainer=sd)
+
+@patch
 def _shard_setup(self:DDPTrainer, dl, ws:int)->dict:
     "The batches and samples of a rank's share of `dl` on `ws` processes, as `run_setup` counts them"
     full = ShardDL(dl, 0, ws)
@@ -420,11 +436,7 @@ def plan_resume(self:RankGate, rp:dict|None, # the resume point `learn.load` lea
         self.rest = sd.get('rest')   # an epoch that an elastic resume started goes on as it began
         return
     if not elastic: raise world_error(file, saved, now)
-    if is_stream(self._data()):
-        raise CheckpointError(f"{file} holds a run on {saved} process(es) whose training data is a stream "
-                              f"({type(self._data()).__name__}), whose position each rank keeps for its own part: "
-                              f"on {now} process(es) every rank would read another part of it. Relaunch with {saved} "
-                              "process(es), or load it with with_iter=False to start a new run from its weights")
+    if is_stream(self._data()): return self._plan_stream(rp, sd, now)
     if rp['iter'] and not self.inside_epoch:
         raise CheckpointError(f"{file} is inside an epoch of a run on {saved} process(es); under fastai's "
                               "DistributedTrainer each rank trains a block of the epoch's order (its DistributedDL), so "

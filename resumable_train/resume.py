@@ -12,8 +12,8 @@ from .store import locate
 
 # %% auto #0
 __all__ = ['agree', 'share_checkpoint', 'patch_attrs', 'unpatch_attrs', 'allow_replay', 'fastai_like', 'loader_kind', 'check_len',
-           'check_resumable', 'loader_position', 'loader_record', 'Resumed', 'resume_point', 'rest_point',
-           'restore_rest', 'checkpoint', 'fastai_pct', 'SkipToIter', 'SeedBatches']
+           'check_resumable', 'loader_position', 'loader_record', 'replayed', 'Resumed', 'reshards', 'keep_buffers',
+           'resume_point', 'rest_point', 'restore_rest', 'checkpoint', 'fastai_pct', 'SkipToIter', 'SeedBatches']
 
 # %% ../nbs/02a_resume.ipynb #57000d75
 def world_size()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -166,12 +166,13 @@ def read_on_rank0(file, src:int=0, **kwargs)->dict:
     return share_checkpoint(state, src)
 
 # %% ../nbs/02a_resume.ipynb #a1f0c003
-import itertools, warnings, weakref
+import copy, functools, itertools, random, warnings, weakref
 from functools import partial
-import torch
+import numpy as np, torch
 from fastcore.basics import GetAttr
 from fastai.data.load import DataLoader
 from .state import *
+from .fitcalls import loader_of
 
 # %% ../nbs/02a_resume.ipynb #a1f0c021
 def patch_attrs(o, **attrs)->dict:
@@ -211,6 +212,16 @@ def _lossy(ds)->str|None:
                         "the examples in the buffer are lost")
             ex = getattr(ex, 'ex_iterable', None)
 
+def _webdataset(o)->bool: return any(n.startswith('webdataset.') for n in _names(o))
+
+def _unrepeatable(ds)->str|None:
+    "Why no run repeats the order of stream `ds` (a webdataset `shuffle` seeded by the clock), or `None`"
+    for st in getattr(ds, 'pipeline', []) if _webdataset(ds) else []:
+        f = getattr(st, 'f', None)
+        if getattr(f, '__name__', '') == '_shuffle' and not {'seed', 'rng'} & {k for k,v in st.kw.items() if v is not None}:
+            return ("its webdataset `shuffle` draws from a generator seeded by the clock and the process id (no `seed=`): "
+                    "no run, interrupted or not, repeats its order; give it one (`.shuffle(n, seed=...)`)")
+
 _FASTAI_ITER = ('__iter__', 'create_batches')  # what `_FastForward` relies on in a fastai DataLoader
 # the subclasses from outside fastai that override them and still resume as fastai's DataLoader does
 _fastai_like = set()
@@ -241,14 +252,15 @@ def _options(stream:bool)->str:
 def _refuse(what:str, why:str, stream:bool=False):
     raise TypeError(f"Cannot resume inside an epoch of {what}: {why}; {_options(stream)}")
 
-def _stream_kind(what:str, ds, workers:int, replay:bool)->str:
+def _stream_kind(what:str, ds, workers:int, replay:bool, fastai:bool=False)->str:
     "How a DataLoader (`what`, in words) over the `IterableDataset` `ds`, with `workers`, resumes inside an epoch"
     if _own_state(ds) and not _lossy(ds) and not workers: return 'dataset'
-    if replay and not workers: return 'replay'
+    if replay and (why := _unrepeatable(ds)): _refuse(what, why)
+    if replay and not (workers and fastai): return 'replay'  # fastai's workers each iterate the whole stream
     if workers:
         _refuse(what, f"its {workers} workers each hold a copy of the dataset, whose positions the main process "
-                      "does not see (torchdata's `StatefulDataLoader` keeps them: use it with num_workers, "
-                      "or use num_workers=0)")
+                      "does not see (torchdata's `StatefulDataLoader` keeps them: use it with num_workers; a PyTorch "
+                      "`DataLoader` with workers resumes by `AutoResume(replay=True)`; or use num_workers=0)")
     why = "its position is inside the dataset's own iterator, which only reading the skipped items would reach"
     _refuse(what, _lossy(ds) or why, True)
 
@@ -256,10 +268,17 @@ def loader_kind(dl, replay:bool|None=None, # allow a replay of the stream (by de
                )->str:
     "How `dl` resumes in an epoch: 'fastai', 'torch', 'state', 'dataset' or 'replay'; else `TypeError` with options"
     replay,name = dl in _replayable if replay is None else replay,type(dl).__name__
+    if _webdataset(dl) and hasattr(dl, 'pipeline'):
+        inner = loader_of(dl)
+        if type(inner) is not torch.utils.data.DataLoader or dl.nsamples > 0 or dl.repetitions != 1:
+            _refuse(f"a webdataset {name} with stages after its DataLoader", "they (`.shuffle`, `.batched`, `.with_epoch`, "
+                    "...) run in the main process, where no position of theirs is kept; shuffle in the `WebDataset` "
+                    "(`wds.WebDataset(...).shuffle(n, seed=...)`), and give the `WebLoader` only `.with_length`", True)
+        return loader_kind(inner, replay)
     if isinstance(dl, DataLoader):
         if not getattr(dl, 'indexed', True):
             what = f"a fastai {name} over an iterable dataset ({type(dl.dataset).__name__})"
-            return _stream_kind(what, dl.dataset, dl.fake_l.num_workers, replay)
+            return _stream_kind(what, dl.dataset, dl.fake_l.num_workers, replay, fastai=True)
         if m := _fastai_override(dl):
             _refuse(f"a {name}", f"{m} overrides fastai's iteration, so the package cannot tell how to skip "
                                  "batches (`fastai_like` says that it skips as fastai's does)")
@@ -311,20 +330,89 @@ def loader_record(dl)->dict:
     kind = loader_kind(dl)
     return dict(kind=kind, position=loader_position(dl, kind))
 
+def _streams()->tuple: return random.getstate(),np.random.get_state(),torch.get_rng_state()
+def _put_streams(s): random.setstate(s[0]); np.random.set_state(s[1]); torch.set_rng_state(s[2])
+
+class _Own:
+    "A stream's own python, numpy and torch (CPU) random streams, apart from the training's: made in place, `swap` out and in"
+    def __init__(self):
+        self.other = _streams()  # the training's, while the stream's are in place
+        # seeded by torch's stream now, which nothing draws from: the same at an epoch's start and at its replay
+        s = int(np.random.SeedSequence(torch.get_rng_state().numpy().view(np.uint32).tolist()).generate_state(1)[0])
+        random.seed(s); np.random.seed(s); torch.default_generator.manual_seed(s)
+    def swap(self):
+        "Put the streams not in place in place (numpy's get and set cost ~0.1 ms: a swap per batch, not per item, where it can)"
+        now = _streams()
+        _put_streams(self.other)
+        self.other = now
+
+class _Apart:
+    "The iterator of stream `ds`, each item read under its own random streams (`_Own`), never the training's"
+    def __init__(self, ds):
+        self.own = _Own()
+        try: self.it = iter(ds)
+        finally: self.own.swap()
+    def __iter__(self): return self
+    def __next__(self):
+        self.own.swap()
+        try: return next(self.it)
+        finally: self.own.swap()
+
+def _as_worker(info, role:int):
+    "Make this DataLoader worker (`info`) the worker `role` of the same epoch: its seeds, its `get_worker_info()`"
+    from torch.utils.data._utils import worker  # where `get_worker_info` reads; seeded as its `_worker_loop` seeds
+    base = info.seed - info.id
+    random.seed(base + role); torch.default_generator.manual_seed(base + role); np.random.seed(worker._generate_state(base, role))
+    worker._worker_info = worker.WorkerInfo(id=role, num_workers=info.num_workers, seed=base + role, dataset=info.dataset)
+
 class _Skip(torch.utils.data.IterableDataset):
-    "The stream `ds` but its first `n` items, read (not collated) by `iter`; then the random streams `now`"
-    def __init__(self, ds, n:int, now:dict|None=None): self.ds,self.n,self.now = ds,n,now
+    "The stream `ds` from batch `first` on (of `bs` items; those before read, not collated); then the random streams `now`"
+    def __init__(self, ds, first:int=0, bs:int=1, now:dict|None=None,
+                 apart:str|None='item', # in the main process, the stream draws from its own random streams: by 'item' or 'batch'
+                ): self.ds,self.first,self.bs,self.now,self.apart,self.own = ds,first,bs,now,apart,None
     def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        if info is None: return self._main()
+        # worker i yields batches i, i+w, ...: resumed at batch `first`, worker i does what worker (i+first)%w did
+        role,w = (info.id + self.first) % info.num_workers,info.num_workers
+        if role != info.id: _as_worker(info, role)
         it = iter(self.ds)
-        got = sum(1 for _ in itertools.islice(it, self.n))
-        if got < self.n:
+        for _ in itertools.islice(it, len(range(role, self.first, w))*self.bs): pass
+        return it
+
+    def _main(self):
+        "In the main process: the stream's draws kept apart from the training's, so that a replay sees them"
+        n = self.first*self.bs
+        if self.apart == 'batch': self.own = _Own()  # `Resumed` swaps its streams in and out around each batch
+        it = _Apart(self.ds) if self.apart == 'item' else iter(self.ds)
+        try: got = sum(1 for _ in itertools.islice(it, n))
+        finally:
+            if self.own: self.own.swap()
+        if got < n:
             items = f"{got:,} item{'s'*(got != 1)}"
-            raise RuntimeError(f"The stream ended after {items} while replaying {self.n:,} to reach the resume point: "
+            raise RuntimeError(f"The stream ended after {items} while replaying {n:,} to reach the resume point: "
                                "it is not the stream the resume point was written with")
         if self.now is not None: set_rng_state(self.now)
         return it
 
 def _drop_idxs(get_idxs, n:int): return list(get_idxs())[n:]
+
+def _swapping(it, own:_Own|None):
+    "The batches of `it`, each made under the random streams `own` (if any), the training's between them"
+    if own is None: return (yield from it)
+    while True:
+        own.swap()
+        try: b = next(it, _swapping)
+        finally: own.swap()
+        if b is _swapping: return
+        yield b
+def _workers(dl)->int: return 0 if isinstance(dl, DataLoader) else dl.num_workers
+
+def replayed(dl)->bool:
+    "Does `dl` resume inside an epoch by a replay (`loader_kind` 'replay')? Then every epoch reads it through `Resumed`"
+    if dl not in _replayable: return False
+    try: return loader_kind(dl) == 'replay'
+    except TypeError: return False
 
 class Resumed(GetAttr):
     "Iterate `dl` from batch `first_iter` on, from a resume point's `position` (`loader_position`) or by a replay"
@@ -350,17 +438,20 @@ class Resumed(GetAttr):
 
     def _stream_patches(self, now)->dict:
         "What `dl` iterates over instead of its stream: from its position, or without the items before the first batch"
-        dl,fastai = self.dl,isinstance(self.dl, DataLoader)
-        n = 0
-        if self.kind == 'dataset': dl.dataset.load_state_dict(self.position)
-        else:
-            n = self._first_iter*((dl.bs if fastai else dl.batch_size) or 1)
-            batches = f"{self._first_iter:,} batch{'es'*(self._first_iter != 1)}"
-            warnings.warn(f"Replaying {batches} ({n:,} items) of the stream to reach the resume point "
-                          "(read, not collated)")
-        patches = dict(dataset=_Skip(dl.dataset, n, now))
+        dl,fastai,first = self.dl,isinstance(self.dl, DataLoader),self._first_iter
+        bs = (dl.bs if fastai else dl.batch_size) or 1
+        if self.kind == 'dataset':
+            dl.dataset.load_state_dict(self.position)
+            return dict(dataset=_Skip(dl.dataset, now=now, apart=None))
+        if first:
+            workers = f" in {dl.num_workers} workers" if not fastai and dl.num_workers else ""
+            warnings.warn(f"Replaying {first:,} batch{'es'*(first != 1)} ({first*bs:,} items) of the stream to reach "
+                          f"the resume point{workers} (read, not collated)")
+        # with workers, the main process goes on with `now` once it has made the iterator (`__iter__`); a fastai
+        # DataLoader transforms each item as it reads it, with the training's streams: its stream's are swapped by item
+        patches = dict(dataset=_Skip(dl.dataset, first, bs, None if _workers(dl) else now, 'item' if fastai else 'batch'))
         # the placeholders of the skipped items
-        if fastai: patches['get_idxs'] = partial(_drop_idxs, dl.get_idxs, self._first_iter*(dl.bs or 1))
+        if fastai: patches['get_idxs'] = partial(_drop_idxs, dl.get_idxs, first*bs)
         return patches
 
     def __iter__(self):
@@ -372,14 +463,109 @@ class Resumed(GetAttr):
                 if now is not None: set_rng_state(now)
             yield from it
             return
-        old = patch_attrs(dl, **self._stream_patches(now))
+        old = patch_attrs(dl, **(p := self._stream_patches(now)))
         try:
             # PyTorch's makes its dataset's iterator here; fastai's at the first batch (then `_Skip` switches streams)
             it = iter(dl)
+            if now is not None and _workers(dl): set_rng_state(now)  # the workers' base seed is drawn
             first = next(it, None) if isinstance(dl, DataLoader) else None
         finally: unpatch_attrs(dl, old)  # a resume point in this epoch sees the loader itself
         if first is not None: yield first
-        yield from it
+        yield from _swapping(it, p['dataset'].own)
+
+# %% ../nbs/02a_resume.ipynb #d2f34584
+def _permute(self, rng, keep:int):
+    "Yield the buffer but `keep` examples, in a permutation drawn from `rng`, from where its state says it stopped"
+    st = self._state_dict
+    if st['yielded'] is None: st.update(yielded=0, keep=keep)  # `rng` in the state: as it was before the permutation
+    buf,keep = st['buffer'],st['keep']
+    idx = rng.permutation(len(buf))
+    for i in idx[st['yielded']:len(buf)-keep]:
+        st['yielded'] += 1
+        yield buf[i]
+    st.update(buffer=[buf[i] for i in idx[len(buf)-keep:]], rng=rng.bit_generator.state, yielded=None)
+
+def _kept_iter(self):
+    "`BufferShuffledExamplesIterable.__iter__` of `datasets`, with the buffer, the generator and the position in its state"
+    st,rng,src = self._state_dict,copy.deepcopy(self.generator),self.ex_iterable
+    if st['buffer'] is None: st.update(source=src._init_state_dict(), buffer=[], rng=rng.bit_generator.state, yielded=None, keep=0)
+    else: src.load_state_dict(st['source']); st['source'] = src._state_dict  # then it moves on in the state
+    rng.bit_generator.state = st['rng']
+    if st['yielded'] is not None: yield from _permute(self, rng, st['keep'])
+    for x in self.ex_iterable:
+        st['buffer'].append(x)
+        if len(st['buffer']) >= self.buffer_size: yield from _permute(self, rng, self.buffer_size // 2)
+    if st['buffer']: yield from _permute(self, rng, 0)
+
+def _kept_init(self)->dict:
+    # `None`s, not the source's state and an empty list: `datasets`' `load_state_dict` merges loaded lists item by item
+    self._state_dict = dict(source=None, buffer=None, rng=None, yielded=None, keep=0)
+    return self._state_dict
+
+def _kept(o):
+    "`o`, a `BufferShuffledExamplesIterable`, made to keep its buffer"
+    o.__class__ = _kept_class()
+    return o
+
+def _new_kept(): return object.__new__(_kept_class())
+
+@functools.cache
+def _kept_class():
+    "The class of a buffer that keeps its content in its state: made when first needed, so that `datasets` is imported then"
+    from datasets.iterable_dataset import BufferShuffledExamplesIterable as B
+    over = lambda m: lambda self, *a, **kw: _kept(getattr(B, m)(self, *a, **kw))
+    return type('KeptBufferShuffledExamplesIterable', (B,), dict(
+        __iter__=_kept_iter, _init_state_dict=_kept_init, load_state_dict=B.__base__.load_state_dict,
+        iter_arrow=None, __reduce__=lambda self: (_new_kept, (), self.__dict__), __module__=__name__,
+        **{m: over(m) for m in ('shift_rngs', 'shuffle_data_sources', 'shard_data_sources', 'reshard_data_sources')}))
+
+def _hf_datasets(ds)->list:
+    "The Hugging Face `IterableDataset`s that are `ds` or an attribute of it"
+    return [o for o in ((ds, *vars(ds).values()) if hasattr(ds, '__dict__') else (ds,))
+            if 'datasets.iterable_dataset.IterableDataset' in _names(o)]
+
+def _buffers(hf):
+    "The shuffle buffers in the pipeline of `hf`, a Hugging Face `IterableDataset`, with what holds each"
+    o,name = hf,'_ex_iterable'
+    while (ex := getattr(o, name, None)) is not None:
+        if isinstance(ex, _kept_class().__base__): yield o,name,ex
+        o,name = ex,'ex_iterable'
+
+_NOT_PLAIN = ('binary', 'large_binary', 'timestamp', 'date', 'time', 'duration', 'decimal')
+def _not_plain(features)->list:
+    "The columns of `features` whose values a resume point cannot keep (bytes, dates, decimals)"
+    from datasets import Value
+    def bad(f):
+        if isinstance(f, Value): return f.dtype.startswith(_NOT_PLAIN)
+        if isinstance(f, dict): return any(bad(v) for v in f.values())
+        if isinstance(f, (list, tuple)): return any(bad(v) for v in f)
+        sub = getattr(f, 'feature', None)
+        return bad(sub) if sub is not None else hasattr(f, 'decode')  # Image, Audio, Video: bytes before decoding
+    return [k for k,f in (features or {}).items() if bad(f)]
+
+def reshards(dl, world:int)->bool:
+    "Does the stream of `dl` split anew among `world` processes: a Hugging Face dataset split by node, by shards?"
+    hfs = _hf_datasets(getattr(loader_of(dl), 'dataset', None))
+    return bool(hfs) and all(getattr(o, '_distributed', None) is not None and o._ex_iterable.num_shards >= world for o in hfs)
+
+def keep_buffers(dl):
+    "Make each Hugging Face shuffle buffer of `dl`'s dataset keep its content in its `state_dict`; refuse one that cannot"
+    for hf in _hf_datasets(getattr(dl, 'dataset', None)):
+        for o,name,ex in _buffers(hf):
+            if bad := _not_plain(ex.features or hf.features):
+                _refuse(f"a {type(dl).__name__} over a Hugging Face IterableDataset shuffled with a buffer of "
+                        f"{ex.buffer_size:,} examples", f"the buffer's content, which its state_dict leaves out, cannot be kept "
+                        f"in a resume point as plain values (column{'s'*(len(bad) > 1)} {', '.join(map(repr, bad))}: bytes or "
+                        "dates); decode them before the shuffle (`.map`), or use a PyTorch DataLoader and "
+                        "`AutoResume(replay=True)`", True)
+            if type(ex) is not _kept_class(): setattr(o, name, _kept(copy.copy(ex)))
+            if ex.buffer_size >= 1000 and getattr(dl, 'snapshot_every_n_steps', None) == 1:
+                warnings.warn(f"The shuffle buffer of {ex.buffer_size:,} examples is copied in each worker at each of "
+                              "torchdata's snapshots, one a batch: give the StatefulDataLoader snapshot_every_n_steps= "
+                              "the AutoResume(every_iter=...) interval")
+        # the state it made for its pipeline when it was made, which a worker's first snapshot reports: the new pipeline's
+        hf._prepare_ex_iterable_for_iteration()
+    return dl
 
 # %% ../nbs/02a_resume.ipynb #e0a38628
 import time
@@ -586,7 +772,7 @@ def _fast_forward(dl, first_iter:int, kind:str, # `loader_kind(dl)`
     "`dl` from batch `first_iter` on, resumed as loaders of its kind resume"
     if kind == 'fastai': return _FastForward(dl, first_iter, start)
     if kind == 'torch': return _TorchFastForward(dl, first_iter, start)
-    return Resumed(dl, first_iter, kind, position, start)
+    return Resumed(loader_of(dl), first_iter, kind, position, start)
 
 # %% ../nbs/02a_resume.ipynb #9655f72b
 def _epoch_start(er, rng):
@@ -633,7 +819,11 @@ class SkipToIter(Callback):
     def _keep_epoch_rng(self): self.epoch_rng = epoch_streams(self.learn)
 
     def before_train(self):
-        if self.epoch != self.start_epoch or not self.start_iter: return self._keep_epoch_rng()
+        if self.epoch != self.start_epoch or not self.start_iter:
+            self._keep_epoch_rng()
+            # the stream draws from its own random streams in every epoch, so that a replay of this one sees them
+            if replayed(self.dl): self.learn.dl = Resumed(loader_of(self.dl), 0, 'replay')
+            return
         kind,rp = loader_kind(self.dl),self.rp
         self.learn.pct_train = rp['pct_train'] if rp else fastai_pct(self.pct_train, self.start_iter, len(self.dl), self.n_epoch)
         if rp is None: self._keep_epoch_rng()

@@ -17,6 +17,7 @@ p.add_argument('--hang-rank', type=int, default=-1)    # SIGSTOP this rank (it h
 p.add_argument('--hang-at', type=int, default=-1)      # ... after this training batch (train_iter)
 p.add_argument('--torch-dl', action='store_true')     # the training data in a PyTorch DataLoader over a map-style dataset (refused)
 p.add_argument('--stream', action='store_true')       # the training data a stream of this rank's items, which keeps its position
+p.add_argument('--source', choices=('hf_buffer', 'sdl_map', 'replay_gen'), default=None)  # issue 29's training data (`streams`)
 p.add_argument('--elastic', action='store_true')      # AutoResume(elastic=True)
 p.add_argument('--stop-rank0-at', type=int, default=-1)  # rank 0 alone raises CancelFitException at the end of this epoch
 p.add_argument('--sleep', type=float, default=0.)      # seconds per training batch
@@ -54,9 +55,51 @@ class RankStream(torch.utils.data.IterableDataset):
     def state_dict(self): return {'i': self.i}
     def load_state_dict(self, sd): self.i = sd['i']
 
+class Sized(torch.utils.data.IterableDataset):
+    "A Hugging Face IterableDataset of (x, y) examples, with the length fastai needs; its position and epoch passed through"
+    def __init__(self, ds, n): self.ds,self.n = ds,n
+    def __len__(self): return self.n
+    def __iter__(self): return ((torch.tensor([ex['x']]), torch.tensor([ex['y']])) for ex in self.ds)
+    def state_dict(self): return self.ds.state_dict()
+    def load_state_dict(self, sd): self.ds.load_state_dict(sd)
+
+class Buffered(torch.utils.data.IterableDataset):
+    "This rank's part of `ds` (items rank, rank+world, ...), shared among workers, shuffled through a buffer that draws with `torch.randint`"
+    def __init__(self, ds, rank, world): self.ds,self.rank,self.world = ds,rank,world
+    def __len__(self): return len(self.ds)//self.world
+    def __iter__(self):
+        w,buf = torch.utils.data.get_worker_info(),[]
+        mine = range(self.rank, len(self)*self.world, self.world)
+        for i in mine[w.id if w else 0::w.num_workers if w else 1]:
+            buf.append(i)
+            if len(buf) == 6: yield self.ds[buf.pop(int(torch.randint(6, ())))]
+        while buf: yield self.ds[buf.pop(int(torch.randint(len(buf), ())))]
+
+class SetEpoch(Callback):
+    "Tell the training data the epoch (Hugging Face and DistributedSampler reshuffle by it)"
+    def before_train(self):
+        dl = self.dls.train
+        for o in (getattr(dl, 'sampler', None), getattr(dl.dataset, 'ds', None)):
+            if hasattr(o, 'set_epoch'): o.set_epoch(self.epoch)
+
+def source_data(dls, ds, world):
+    "The training data `--source` asks for, this rank's part of `ds`: 2 workers each"
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    if args.source == 'replay_gen': return DataLoaders(torch.utils.data.DataLoader(Buffered(ds, rank, world), batch_size=15, num_workers=2), dls.valid)
+    if args.source == 'sdl_map':
+        sampler = torch.utils.data.DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=3)
+        return DataLoaders(StatefulDataLoader(ds, batch_size=15, sampler=sampler, num_workers=2), dls.valid)
+    from datasets import Dataset as HFDataset
+    from datasets.distributed import split_dataset_by_node
+    x,y = (t[:len(ds)//4*4].squeeze(-1).tolist() for t in ds.tensors)
+    hf = HFDataset.from_dict({'x': x, 'y': y}).to_iterable_dataset(num_shards=4).shuffle(seed=0, buffer_size=16)
+    hf = split_dataset_by_node(hf, rank=rank, world_size=world)
+    return DataLoaders(StatefulDataLoader(Sized(hf, len(x)//world), batch_size=15, num_workers=2), dls.valid)
+
 def train_data(dls):
-    "`dls` with the training data as `--torch-dl` or `--stream` ask"
+    "`dls` with the training data as `--torch-dl`, `--stream` or `--source` ask"
     ds,world = dls.train.dataset,int(os.environ.get('WORLD_SIZE', 1))
+    if args.source: return source_data(dls, ds, world)
     if args.torch_dl: return DataLoaders(torch.utils.data.DataLoader(ds, batch_size=15), dls.valid)
     if args.stream: return DataLoaders(torch.utils.data.DataLoader(RankStream(ds, rank, world), batch_size=15), dls.valid)
     return dls
@@ -84,7 +127,8 @@ if args.workers:
                                  num_workers=args.workers)
 model = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
 torch.manual_seed(1000 + rank)   # each rank its own random streams (dropout), which a resume must give back to each
-cbs = [trainer, Test(), CSVLogger(), SaveModelCallback(every_epoch=True)] + ([AutoResume(every_iter=args.every, elastic=args.elastic)] if args.every else [])
+cbs = [trainer, Test(), CSVLogger(), SaveModelCallback(every_epoch=True)] + ([SetEpoch()] if args.source else [])
+cbs += [AutoResume(every_iter=args.every, elastic=args.elastic, replay=args.source == 'replay_gen')] if args.every else []
 dls = train_data(dls)
 learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=[mae, rmse], cbs=cbs, path=out/'run')
 if args.fp16: learn.to_fp16()

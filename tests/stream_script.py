@@ -51,6 +51,17 @@ class Generated(IterableDataset):
     def __iter__(self):
         for i in torch.randperm(self.n).tolist(): yield _xy(i)
 
+class Buffered(IterableDataset):
+    "A stream shuffled through a buffer of 8 items, which picks the item to yield with `torch.randint` (torch's global stream); workers share it by striding"
+    def __init__(self, n): self.n = n
+    def __len__(self): return self.n
+    def __iter__(self):
+        w,buf = get_worker_info(),[]
+        for i in range(w.id if w else 0, self.n, w.num_workers if w else 1):
+            buf.append(i)
+            if len(buf) == 8: yield _xy(buf.pop(int(torch.randint(8, ()))))
+        while buf: yield _xy(buf.pop(int(torch.randint(len(buf), ()))))
+
 class Sized(IterableDataset):
     "A Hugging Face IterableDataset with the length fastai needs; its position (`state_dict`) and epoch passed through"
     def __init__(self, ds, n): self.ds,self.n = ds,n
@@ -69,6 +80,39 @@ def _hf(shuffle):
     xs = [i/N*2-1 for i in range(N)]
     ds = HFDataset.from_dict({'x': xs, 'y': [2*x+0.3 for x in xs]}).to_iterable_dataset(num_shards=4)
     return Sized(ds.shuffle(seed=3, buffer_size=16) if shuffle else ds, N)
+
+def hf_buffer(a):
+    "The issue's stream: 512 examples in 4 shards, a shuffle buffer of 128, 2 workers, 32 a batch (16 batches an epoch)"
+    from datasets import Dataset as HFDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    xs = [i/256 - 1 for i in range(512)]
+    ds = HFDataset.from_dict({'x': xs, 'y': [2*x+0.3 for x in xs]}).to_iterable_dataset(num_shards=4).shuffle(seed=0, buffer_size=128)
+    return DataLoaders(StatefulDataLoader(Sized(ds, 512), batch_size=32, num_workers=2), _valid()), [SetEpoch()]
+
+def _shards():
+    "4 tar shards of 12 points each in ./shards (made once), as webdataset reads them"
+    import webdataset as wds
+    Path('shards').mkdir(exist_ok=True)
+    for s in range(4):
+        if Path(f'shards/{s}.tar').exists(): continue
+        with wds.TarWriter(f'shards/{s}.tar.tmp') as w:
+            for i in range(s*12, s*12+12): w.write({'__key__': f'{i:04d}', 'i.txt': str(i)})
+        Path(f'shards/{s}.tar.tmp').rename(f'shards/{s}.tar')
+    return [f'shards/{s}.tar' for s in range(4)]
+
+def _wds_point(sample): return _xy(int(sample['i.txt']))
+
+def wds_loader(a):
+    "`wds.WebDataset(...).shuffle(8, seed=1)` in a `WebLoader` with 2 workers (each reads 2 shards)"
+    import webdataset as wds
+    ds = wds.WebDataset(_shards(), shardshuffle=False).shuffle(8, seed=1).decode().map(_wds_point).with_length(N)
+    return DataLoaders(wds.WebLoader(ds, batch_size=BS, num_workers=2).with_length(N//BS), _valid()), []
+
+def wds_unseeded(a):
+    "The same without a seed: webdataset seeds its buffer's generator with the clock"
+    import webdataset as wds
+    ds = wds.WebDataset(_shards(), shardshuffle=False).shuffle(8).decode().map(_wds_point).with_length(N)
+    return DataLoaders(wds.WebLoader(ds, batch_size=BS, num_workers=2).with_length(N//BS), _valid()), []
 
 def _valid(): return TorchDL(Points(16), batch_size=BS)
 
@@ -94,6 +138,14 @@ def hf_replay(a): return DataLoaders(TorchDL(_hf(True), batch_size=BS), _valid()
 
 def gen(a): return DataLoaders(TorchDL(Generated(N), batch_size=BS), _valid()), []
 
+def gen_buffer(a): return DataLoaders(TorchDL(Buffered(N), batch_size=BS), _valid()), []
+
+def gen_workers(a): return DataLoaders(TorchDL(Buffered(N), batch_size=BS, num_workers=2), _valid()), []
+
+def fastai_buffer(a):
+    from fastai.data.load import DataLoader
+    return DataLoaders(DataLoader(Buffered(N), bs=BS), _valid()), []
+
 def fastai_state(a):
     from fastai.data.load import DataLoader
     return DataLoaders(DataLoader(Counter(N), bs=BS), _valid()), []
@@ -104,8 +156,8 @@ def fastai_gen(a):
 
 def persistent(a): return DataLoaders(TorchDL(Points(N), batch_size=BS, shuffle=True, num_workers=2, persistent_workers=True), _valid()), []
 
-SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, gen=gen, fastai_state=fastai_state, fastai_gen=fastai_gen, persistent=persistent)
-REPLAY = ('hf_replay', 'gen', 'fastai_gen')  # resumed by replaying the stream (`AutoResume(replay=True)`)
+SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, hf_buffer=hf_buffer, gen=gen, fastai_state=fastai_state, fastai_gen=fastai_gen, gen_buffer=gen_buffer, gen_workers=gen_workers, fastai_buffer=fastai_buffer, wds=wds_loader, wds_unseeded=wds_unseeded, persistent=persistent)
+REPLAY = ('hf_replay', 'gen', 'fastai_gen', 'gen_buffer', 'gen_workers', 'fastai_buffer', 'wds', 'wds_unseeded')  # resumed by replaying the stream (`AutoResume(replay=True)`)
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser()

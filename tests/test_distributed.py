@@ -188,3 +188,31 @@ def test_stream_kill_relaunch(forker, tmp_path):
     res = ranks(forker, tmp_path, '--stream', '--every', '3')
     assert 'AutoResume: continuing from' in res[0][1] and '(epoch 3/3, batch 1/4)' in res[0][1], why(res)
     assert_same_run(results(ref), results(tmp_path))
+
+@pytest.mark.parametrize('source', ['hf_buffer', 'sdl_map', 'replay_gen'])
+def test_sources_kill_relaunch(forker, tmp_path, source):
+    "Issue 29's sources under 2 ranks, 2 workers each: a Hugging Face stream with a shuffle buffer, torchdata over map-style data, a replayed stream drawing from torch's stream; killed twice (rank 1, then rank 0), relaunched on the same size: the uninterrupted run"
+    pytest.importorskip('torchdata'); pytest.importorskip('datasets')
+    ref,args = tmp_path/'ref',['--source', source, '--every', '3']
+    ranks(forker, ref, *args, timeout=300)
+    res = wait_ranks(start_ranks(forker, tmp_path, *args, '--kill-rank', '1', '--kill-at', '7'), 300)
+    assert res[1][0] == -signal.SIGKILL and res[0][0] != 0, why(res)
+    res = wait_ranks(start_ranks(forker, tmp_path, *args, '--kill-rank', '0', '--kill-at', '11'), 300)
+    assert res[0][0] == -signal.SIGKILL and 'AutoResume: continuing from' in res[0][1], why(res)
+    res = ranks(forker, tmp_path, *args, timeout=300)
+    assert 'AutoResume: continuing from' in res[0][1], why(res)
+    assert_same_run(results(ref), results(tmp_path))
+
+def test_hf_elastic_at_epoch_end(forker, tmp_path):
+    "A Hugging Face stream split by node (4 shards): a 2-rank run killed after an epoch's end continues on 1 process (`elastic=True`) to the end; killed inside an epoch, it is refused with the reason"
+    pytest.importorskip('torchdata'); pytest.importorskip('datasets')
+    args = ['--source', 'hf_buffer', '--every', '4']  # 4 batches an epoch on 2 ranks: resume points at epoch ends
+    res = wait_ranks(start_ranks(forker, tmp_path, *args, '--kill-rank', '1', '--kill-at', '5'), 300)
+    assert res[1][0] == -signal.SIGKILL, why(res)
+    rc,o = forker.run(SCRIPT, tmp_path, *args, '--elastic', timeout=300)
+    assert rc == 0 and 'AutoResume: continuing from' in o, o[-3000:]
+    mid,args = tmp_path/'mid',['--source', 'hf_buffer', '--every', '3']
+    res = wait_ranks(start_ranks(forker, mid, *args, '--kill-rank', '1', '--kill-at', '4'), 300)
+    assert res[1][0] == -signal.SIGKILL, why(res)
+    rc,o = forker.run(SCRIPT, mid, *args, '--elastic', timeout=300)
+    assert rc != 0 and "changes size at an epoch's end, not inside one" in o, o[-3000:]

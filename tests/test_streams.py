@@ -6,14 +6,14 @@ from helpers import TESTS
 import killrerun as kr
 
 SCRIPT = str(TESTS/'stream_script.py')
-SOURCES = ('sdl_map', 'sdl_noisy', 'sdl_iter', 'hf_state', 'hf_replay', 'gen', 'fastai_state', 'fastai_gen')
+SOURCES = ('sdl_map', 'sdl_noisy', 'sdl_iter', 'hf_state', 'hf_replay', 'hf_buffer', 'gen', 'fastai_state', 'fastai_gen', 'gen_buffer', 'gen_workers', 'fastai_buffer', 'wds')
 EVERY = 3  # stream_script.py's AutoResume(every_iter=3)
 
 @pytest.fixture(scope='module')
 def forker():
-    pytest.importorskip('torchdata'); pytest.importorskip('datasets')
+    pytest.importorskip('torchdata'); pytest.importorskip('datasets'); pytest.importorskip('webdataset')
     return Forker(('fastai.basics', 'fastai.callback.all', 'resumable_train', 'resumable_train.autoresume', 'torchdata.stateful_dataloader',
-                   'datasets', 'stream_script'))
+                   'datasets', 'webdataset', 'stream_script'))
 
 @pytest.mark.parametrize('source', SOURCES)
 def test_kill_and_rerun(forker, tmp_path, source):
@@ -31,7 +31,8 @@ def test_kill_and_rerun(forker, tmp_path, source):
 
 @pytest.mark.parametrize('source,args,words', [
     ('gen', ['--no-replay'], ['AutoResume(replay=True)', 'Generated']),  # a stream without the replay opt-in
-    ('persistent', [], ['persistent_workers=True', 'epoch'])])           # persistent workers: not even at epoch ends
+    ('persistent', [], ['persistent_workers=True', 'epoch']),            # persistent workers: not even at epoch ends
+    ('wds_unseeded', [], ['seed=', 'clock'])])                           # a webdataset shuffle without a seed
 def test_refused_before_fit(forker, tmp_path, source, args, words):
     "A loader the package cannot resume exactly is refused at `before_fit`, with the reason and the option, before any batch is trained"
     rc,lines = kr.run_until(forker, SCRIPT, [tmp_path/'out.pth', source, *args], cwd=tmp_path)
