@@ -34,7 +34,7 @@ rank = int(os.environ.get('RANK', 0))
 from fastai.basics import *
 from fastai.test_utils import synth_dbunch
 from fastai.callback.progress import CSVLogger
-from helpers import Writes
+from helpers import Sized, Writes
 writes = Writes()   # the files this rank writes while training
 
 from fastai.callback.tracker import SaveModelCallback
@@ -54,14 +54,6 @@ class RankStream(torch.utils.data.IterableDataset):
         self.i = self.rank
     def state_dict(self): return {'i': self.i}
     def load_state_dict(self, sd): self.i = sd['i']
-
-class Sized(torch.utils.data.IterableDataset):
-    "A Hugging Face IterableDataset of (x, y) examples, with the length fastai needs; its position and epoch passed through"
-    def __init__(self, ds, n): self.ds,self.n = ds,n
-    def __len__(self): return self.n
-    def __iter__(self): return ((torch.tensor([ex['x']]), torch.tensor([ex['y']])) for ex in self.ds)
-    def state_dict(self): return self.ds.state_dict()
-    def load_state_dict(self, sd): self.ds.load_state_dict(sd)
 
 class Buffered(torch.utils.data.IterableDataset):
     "This rank's part of `ds` (items rank, rank+world, ...), shared among workers, shuffled through a buffer that draws with `torch.randint`"

@@ -116,3 +116,12 @@ class Writes(list):
         if event == 'open' and not isinstance(args[0], int) and args[2] & _WRITE: self.append(os.fsdecode(args[0]))
         elif event in ('os.rename', 'os.link', 'os.symlink'): self.append(os.fsdecode(args[1]))   # os.rename: os.replace's too
         elif event in ('os.remove', 'os.truncate') and not isinstance(args[0], int): self.append(os.fsdecode(args[0]))
+
+class Sized(torch.utils.data.IterableDataset):
+    "A Hugging Face IterableDataset of (x, y) examples with the length fastai needs; its position (`state_dict`) and epoch passed through"
+    def __init__(self, ds, n): self.ds,self.n = ds,n
+    def __len__(self): return self.n
+    def __iter__(self): return ((torch.tensor([ex['x']]), torch.tensor([ex['y']])) for ex in self.ds)
+    def state_dict(self): return self.ds.state_dict()
+    def load_state_dict(self, sd): self.ds.load_state_dict(sd)
+    def set_epoch(self, e): self.ds.set_epoch(e)

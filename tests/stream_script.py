@@ -12,6 +12,7 @@ from fastai.basics import *
 from fastai.callback.all import *
 from resumable_train.autoresume import AutoResume
 from killrerun import Report, save_result
+from helpers import Sized
 warnings.filterwarnings('ignore', message="'set_vital' is deprecated")
 
 N,BS = 48,8  # items a training epoch, batch size: 6 batches an epoch
@@ -61,15 +62,6 @@ class Buffered(IterableDataset):
             buf.append(i)
             if len(buf) == 8: yield _xy(buf.pop(int(torch.randint(8, ()))))
         while buf: yield _xy(buf.pop(int(torch.randint(len(buf), ()))))
-
-class Sized(IterableDataset):
-    "A Hugging Face IterableDataset with the length fastai needs; its position (`state_dict`) and epoch passed through"
-    def __init__(self, ds, n): self.ds,self.n = ds,n
-    def __len__(self): return self.n
-    def __iter__(self): return ((torch.tensor([ex['x']]), torch.tensor([ex['y']])) for ex in self.ds)
-    def state_dict(self): return self.ds.state_dict()
-    def load_state_dict(self, sd): self.ds.load_state_dict(sd)
-    def set_epoch(self, e): self.ds.set_epoch(e)
 
 class SetEpoch(Callback):
     "Tell the training dataset the epoch (Hugging Face reshuffles by it)"
