@@ -97,9 +97,10 @@ def train_data(dls):
     return dls
 
 class Test(Callback):
-    order = 96
+    order,trained = 96,0
     def after_batch(self):
         if not self.training: return
+        self.trained += 1   # the batches this process trained
         if args.sleep: time.sleep(args.sleep)
         if rank == 0 and self.train_iter == args.mark_at: (out/'marker').touch()
         if rank == args.kill_rank and self.train_iter == args.kill_at: os.kill(os.getpid(), signal.SIGKILL)
@@ -119,7 +120,8 @@ if args.workers:
                                  num_workers=args.workers)
 model = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
 torch.manual_seed(1000 + rank)   # each rank its own random streams (dropout), which a resume must give back to each
-cbs = [trainer, Test(), CSVLogger(), SaveModelCallback(every_epoch=True)] + ([SetEpoch()] if args.source else [])
+test = Test()
+cbs = [trainer, test, CSVLogger(), SaveModelCallback(every_epoch=True)] + ([SetEpoch()] if args.source else [])
 cbs += [AutoResume(every_iter=args.every, elastic=args.elastic, replay=args.source == 'replay_gen')] if args.every else []
 dls = train_data(dls)
 learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=[mae, rmse], cbs=cbs, path=out/'run')
@@ -132,9 +134,10 @@ except SystemExit as e:
     (out/f'exit{rank}').write_text(f'{e.code} {learn.train_iter}')   # this rank's status and batch (torchrun's status says less)
     raise
 secs = time.perf_counter() - start
+where = dict(epoch=learn.epoch, n_epoch=learn.n_epoch, pct_train=learn.pct_train)   # as fit left them (validate moves them)
 writes.on = False
-learn.remove_cbs([CSVLogger, AutoResume])   # `validate` runs their before_fit/after_fit, which would write
+learn.remove_cbs([CSVLogger, AutoResume, SaveModelCallback])   # `validate` runs their fit events, which would write (model_0.pth)
 res = dict(model={k: v.clone() for k, v in learn.model.state_dict().items()}, values=learn.recorder.values, train_iter=learn.train_iter,
            epochs=len(learn.recorder.values), validate=list(learn.validate()), writes=list(writes), secs=secs,
-           gate_secs=trainer.gate_secs, world_size=trainer.world_size)
+           gate_secs=trainer.gate_secs, world_size=trainer.world_size, trained=test.trained, **where)
 torch.save(res, out/f'rank{rank}.pt')

@@ -9,6 +9,7 @@ from helpers import PY, TESTS, start, finish, load_result, diff_values
 from resumable_train.autoresume import newest_valid
 from resumable_train.files import resume_record
 from test_elastic import free_port
+from killrerun import snapshot
 
 SCRIPT = TESTS/'dist_train.py'
 TIMEOUT = 20  # the process-group timeout the script gives DDPTrainer
@@ -191,7 +192,7 @@ def test_stream_kill_relaunch(forker, tmp_path):
 
 @pytest.mark.parametrize('source', ['hf_buffer', 'sdl_map', 'replay_gen'])
 def test_sources_kill_relaunch(forker, tmp_path, source):
-    "Issue 29's sources under 2 ranks, 2 workers each: a Hugging Face stream with a shuffle buffer, torchdata over map-style data, a replayed stream drawing from torch's stream; killed twice (rank 1, then rank 0), relaunched on the same size: the uninterrupted run"
+    "Issue 29's sources under 2 ranks, 2 workers each: a Hugging Face stream with a shuffle buffer, torchdata over map-style data, a replayed stream drawing from torch's stream; killed twice (rank 1, then rank 0), relaunched on the same size: the uninterrupted run; run again after its end: it trains nothing"
     pytest.importorskip('torchdata'); pytest.importorskip('datasets')
     ref,args = tmp_path/'ref',['--source', source, '--every', '3']
     ranks(forker, ref, *args, timeout=300)
@@ -202,6 +203,13 @@ def test_sources_kill_relaunch(forker, tmp_path, source):
     res = ranks(forker, tmp_path, *args, timeout=300)
     assert 'AutoResume: continuing from' in res[0][1], why(res)
     assert_same_run(results(ref), results(tmp_path))
+    before = snapshot(tmp_path/'run')
+    ranks(forker, tmp_path, *args, timeout=300)   # once more, after the end: nothing trained, nothing written, the same weights
+    again = results(tmp_path)
+    assert [r['trained'] for r in again] == [0, 0], [r['trained'] for r in again]
+    for r,g in zip(results(ref), again): assert (g['epoch'], g['n_epoch'], g['pct_train']) == (r['epoch'], r['n_epoch'], r['pct_train'])
+    assert snapshot(tmp_path/'run') == before, set(before.items()) ^ set(snapshot(tmp_path/'run').items())
+    assert_same_run(results(ref), again)
 
 def test_hf_elastic_at_epoch_end(forker, tmp_path):
     "A Hugging Face stream split by node (4 shards): a 2-rank run killed after an epoch's end continues on 1 process (`elastic=True`) to the end; killed inside an epoch, it is refused with the reason"
