@@ -14,7 +14,7 @@ from .state import *
 from .hooks import is_a, fit_events
 
 # %% auto #0
-__all__ = ['loader_of', 'run_setup', 'setup_diff', 'check_setup', 'fit_plan']
+__all__ = ['is_webdataset', 'loader_of', 'run_setup', 'setup_diff', 'check_setup', 'fit_plan']
 
 # %% ../nbs/02_fitcalls.ipynb #13b37f49
 def _arch(model)->list:
@@ -32,10 +32,11 @@ def _data_setup(dl)->dict:
     if hasattr(dl, 'after_item'): out.update(item_tfms=_tfm_names(dl.after_item), batch_tfms=_tfm_names(dl.after_batch))
     return out
 
+def is_webdataset(o)->bool: return any(c.__module__.startswith('webdataset.') for c in type(o).__mro__)
+
 def loader_of(dl):
     "The loader that iterates `dl`: the PyTorch `DataLoader` of a webdataset `WebLoader` of one stage, else `dl` itself"
-    wds = any(c.__module__.startswith('webdataset.') for c in type(dl).__mro__)
-    p = getattr(dl, 'pipeline', None) if wds else None
+    p = getattr(dl, 'pipeline', None) if is_webdataset(dl) else None
     return p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], torch.utils.data.DataLoader) else dl
 
 def run_setup(learn, n_epoch:int)->dict:

@@ -172,7 +172,7 @@ import numpy as np, torch
 from fastcore.basics import GetAttr
 from fastai.data.load import DataLoader
 from .state import *
-from .fitcalls import loader_of
+from .fitcalls import loader_of, is_webdataset
 
 # %% ../nbs/02a_resume.ipynb #a1f0c021
 def patch_attrs(o, **attrs)->dict:
@@ -212,11 +212,9 @@ def _lossy(ds)->str|None:
                         "the examples in the buffer are lost")
             ex = getattr(ex, 'ex_iterable', None)
 
-def _webdataset(o)->bool: return any(n.startswith('webdataset.') for n in _names(o))
-
 def _unrepeatable(ds)->str|None:
     "Why no run repeats the order of stream `ds` (a webdataset `shuffle` seeded by the clock), or `None`"
-    for st in getattr(ds, 'pipeline', []) if _webdataset(ds) else []:
+    for st in getattr(ds, 'pipeline', []) if is_webdataset(ds) else []:
         f = getattr(st, 'f', None)
         if getattr(f, '__name__', '') == '_shuffle' and not {'seed', 'rng'} & {k for k,v in st.kw.items() if v is not None}:
             return ("its webdataset `shuffle` draws from a generator seeded by the clock and the process id (no `seed=`): "
@@ -268,7 +266,7 @@ def loader_kind(dl, replay:bool|None=None, # allow a replay of the stream (by de
                )->str:
     "How `dl` resumes in an epoch: 'fastai', 'torch', 'state', 'dataset' or 'replay'; else `TypeError` with options"
     replay,name = dl in _replayable if replay is None else replay,type(dl).__name__
-    if _webdataset(dl) and hasattr(dl, 'pipeline'):
+    if is_webdataset(dl) and hasattr(dl, 'pipeline'):
         inner = loader_of(dl)
         if type(inner) is not torch.utils.data.DataLoader or dl.nsamples > 0 or dl.repetitions != 1:
             _refuse(f"a webdataset {name} with stages after its DataLoader", "they (`.shuffle`, `.batched`, `.with_epoch`, "
