@@ -115,8 +115,9 @@ def world_error(file, saved, now):
     return CheckpointError(f"{file} holds a resume point of a run on {saved} process(es); this run has {now}. Another "
         "world size would not continue the same run bit for bit (other shards, batch positions and random streams): "
         f"relaunch with {saved} process(es) (torchrun --nproc_per_node ...); or continue it on {now} with elastic=True "
-        "(AutoResume(elastic=True), learn.load(..., elastic=True), with DDPTrainer), which trains the rest of the "
-        "epoch's samples in other batches; or load it with with_iter=False to start a new run from its weights")
+        "(AutoResume(elastic=True) or learn.load(..., elastic=True)): DDPTrainer trains the rest of an epoch's samples in "
+        "other batches, fastai's DistributedTrainer continues from an epoch's end; or load it with with_iter=False to start a "
+        "new run from its weights")
 
 # %% ../nbs/02b_learner.ipynb #de796443
 def _check_world(learn, rp, file, elastic):
