@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_state.ipynb #f26101a2
 from __future__ import annotations
-import itertools, os, random, time, weakref
+import itertools, json, os, random, time, weakref
 from pathlib import Path
 import numpy as np, torch
 from fastcore.foundation import L
@@ -298,6 +298,78 @@ def load_callback_states(learn, sds:dict,
                          f"or accept them with fresh_callbacks={new!r} "
                          "(`AutoResume(fresh_callbacks=...)` or `learn.load(..., fresh_callbacks=...)`)")
     for k,sd in sds.items(): restore_state(cbs[k], sd)
+
+# %% ../nbs/01_state.ipynb #bea95a59
+def _stats_layout(x)->dict:
+    "The layout of one batch's statistics (nested lists of dicts of numbers and tensors), as JSON-able values"
+    if isinstance(x, dict):
+        return {'d': [[k, [str(v.dtype)[6:], list(v.shape), str(v.device)] if isinstance(v, torch.Tensor) else type(v).__name__]
+                      for k,v in x.items()]}
+    if isinstance(x, (list, tuple, L)): return {'l': [_stats_layout(o) for o in x], 't': type(x).__name__}
+    return {'n': type(x).__name__}  # `None` (a layer not called), or a value kept as it is by the plain form
+
+def _stats_parts(x, out:list)->list:
+    if isinstance(x, dict):
+        out += [v.detach().flatten().cpu().double() if isinstance(v, torch.Tensor) else torch.tensor([float(v)], dtype=torch.float64)
+                for v in x.values()]
+    elif isinstance(x, (list, tuple, L)):
+        for o in x: _stats_parts(o, out)
+    return out
+
+def _stats_row(x)->torch.Tensor:
+    "One batch's statistics as one float64 row"
+    parts = _stats_parts(x, [])
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+_SEQS = {'L': L, 'list': list, 'tuple': tuple}
+
+def _stats_of_row(row, layout, pos=0):
+    "The batch statistics `_stats_row` made `row` of, from `layout`; and the position after them"
+    if 'n' in layout: return None,pos
+    if 'l' in layout:
+        res = []
+        for l in layout['l']: o,pos = _stats_of_row(row, l, pos); res.append(o)
+        return _SEQS[layout['t']](res),pos
+    d = {}
+    for k,kind in layout['d']:
+        if isinstance(kind, list):
+            n = int(np.prod(kind[1]))
+            d[k] = row[pos:pos+n].to(getattr(torch, kind[0])).view(kind[1]).to(kind[2]); pos += n
+        else: d[k] = {'int': int, 'bool': bool}.get(kind, float)(row[pos].item()); pos += 1
+    return d,pos
+
+def _plain_stats(x):
+    if isinstance(x, (list, tuple, L)): return [_plain_stats(o) for o in x]
+    return x
+
+# each ActivationStats' rows, kept outside it as the Recorder's histories: `(its stats, their rows, their layout)`
+_stats_rows = weakref.WeakKeyDictionary()
+
+def _activation_stats(cb):
+    "The statistics of every batch so far, packed: a row a batch and their layout"
+    stats = vars(cb).get('stats')
+    if stats is None: return {'stats': None}
+    src,rows,layout = _stats_rows.get(cb, (None, [], None))
+    if src is not stats or len(rows) > len(stats): rows,layout = [],None
+    for x in stats[len(rows):]:
+        l = _stats_layout(x)
+        if layout is None: layout = l
+        if l != layout or 'n' in l:  # another layout, or not a batch's statistics: the plain form
+            _stats_rows.pop(cb, None)
+            return {'stats': [_plain_stats(o) for o in stats]}
+        rows.append(_stats_row(x))
+    _stats_rows[cb] = (stats, rows, layout)
+    return {'layout': json.dumps(layout), 'rows': _history(cb, 'stats').pack(rows)}
+
+def _set_activation_stats(cb, sd):
+    if 'rows' not in sd:
+        cb.stats = None if sd['stats'] is None else L(L(o) if isinstance(o, list) else o for o in sd['stats'])
+        return
+    layout,rows = json.loads(sd['layout']),_unpacked(cb, 'stats', sd['rows'])
+    cb.stats = L(_stats_of_row(r, layout)[0] for r in rows)
+    _stats_rows[cb] = (cb.stats, rows, layout)
+
+register_state('fastai.callback.hook.ActivationStats', _activation_stats, _set_activation_stats)
 
 # %% ../nbs/01_state.ipynb #211668db
 def _lm_order(dl): return {'order': torch.tensor(list(dl.items.idxs)), 'seq_len': dl.seq_len}

@@ -19,6 +19,7 @@ from fastai.basics import *
 from fastai.callback.tracker import TrackerCallback, SaveModelCallback, EarlyStoppingCallback, ReduceLROnPlateau
 from fastai.callback.training import GradientAccumulation
 from fastai.callback.progress import CSVLogger, ProgressCallback
+from fastai.callback.hook import ActivationStats
 from fastai.callback.schedule import *
 if not STOCK:
     import resumable_train
@@ -78,7 +79,8 @@ def build(cfg, path):
     cbs = [Probe()]
     known = dict(save=lambda: SaveModelCallback(), early=lambda: EarlyStoppingCallback(patience=100),
                  plateau=lambda: ReduceLROnPlateau(patience=1, factor=2., min_delta=1.),
-                 ga=lambda: GradientAccumulation(n_acc=3*c['bs']), csv=lambda: CSVLogger())
+                 ga=lambda: GradientAccumulation(n_acc=3*c['bs']), csv=lambda: CSVLogger(),
+                 astats=lambda: ActivationStats(with_hist=True))
     cbs += [known[n]() for n in c['cbs']]
     if c['seed_batches']: cbs.append(SeedBatches())
     kw = dict(splitter=lambda m: [list(m[0].parameters()), list(m[3].parameters())]) if c.get('two_groups') else {}
@@ -112,7 +114,8 @@ def snapshot(learn, c, path):
                 model_pre=getattr(probe, 'model_pre', None), opt=learn.opt.state_dict(),
                 values=[list(map(float, v)) for v in rec.values], losses=[l.clone() for l in rec.losses],
                 lrs=list(rec.lrs), iters=list(rec.iters), hps=getattr(rec, 'hps', None), steps=probe.steps,
-                train_iter=learn.train_iter, pct_train=learn.pct_train, epoch=learn.epoch, trackers=trackers, csv=csv)
+                train_iter=learn.train_iter, pct_train=learn.pct_train, epoch=learn.epoch, trackers=trackers, csv=csv,
+                astats=[[dict(d) for d in s] for s in learn.activation_stats.stats] if 'astats' in c['cbs'] else None)
 
 def job_ref(j):
     path = Path(j['dir']); path.mkdir(parents=True, exist_ok=True)

@@ -81,7 +81,7 @@ def diff_values(a, b, path='')->list:
     return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
 
 EXACT_KEYS = ('model', 'model_pre', 'opt', 'values', 'losses', 'lrs', 'iters', 'hps', 'train_iter', 'pct_train', 'epoch',
-              'trackers', 'csv')
+              'trackers', 'csv', 'astats')
 
 def compare_results(ref, got, keys=EXACT_KEYS)->list:
     "Differences between two results written by `exact_script.py` (files or dicts), bitwise; `[]` when identical"

@@ -33,6 +33,7 @@ CONFIGS = {s: (dict(sched=s), _points(s)) for s in SCHEDS}
 CONFIGS.update({
     'ga': (dict(cbs=['save','early','plateau','ga']), [(0,1), (1,1), (1,2), (1,4), (2,0)]),  # steps every 3rd batch
     'csv': (dict(cbs=['save','early','plateau','csv']), [(1,0), (1,3), (2,N_ITER)]),
+    'astats': (dict(cbs=['save','early','plateau','astats']), [(1,0), (1,3), (2,N_ITER-1)]),  # every batch's activation statistics
     'train_metrics_bar': (dict(train_metrics=True, bar=True, sched='fit'), [(1,3), (2,0)]),
     'drop_last': (dict(n_train=50, drop_last=True), [(1,3), (2,0)]),
     'workers2': (dict(workers=2), [(1,0), (1,3), (1,N_ITER)]),
@@ -42,7 +43,7 @@ CONFIGS.update({
     'tfm_workers2_noseed': (dict(workers=2, tfm=True), []),  # random item tfm in workers, package imported, never resumed
 })
 # Configurations whose uninterrupted run must be bit-identical with and without the package imported
-STOCK_COMPAT = [*SCHEDS, 'ga', 'csv', 'train_metrics_bar', 'drop_last', 'workers2', 'tfm_workers2_noseed']
+STOCK_COMPAT = [*SCHEDS, 'ga', 'csv', 'astats', 'train_metrics_bar', 'drop_last', 'workers2', 'tfm_workers2_noseed']
 STOCK_SAME_AS = {'seedbatches_no_tfm': 'fit_one_cycle'}  # (package run, stock run of this config)
 ERR_CFG,ERR_AT = 'fit_one_cycle',(1,3)
 SETUPS = {'n_epoch': dict(n_epoch=4), 'bs': dict(bs=6), 'n_items': dict(n_train=44), 'n_iter': dict(n_train=46, drop_last=True)}
