@@ -526,6 +526,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                         'resumable_train.resume._workers': ('resume.html#_workers', 'resumable_train/resume.py'),
                                         'resumable_train.resume.agree': ('resume.html#agree', 'resumable_train/resume.py'),
                                         'resumable_train.resume.allow_replay': ('resume.html#allow_replay', 'resumable_train/resume.py'),
+                                        'resumable_train.resume.check_callbacks': ( 'resume.html#check_callbacks',
+                                                                                    'resumable_train/resume.py'),
                                         'resumable_train.resume.check_len': ('resume.html#check_len', 'resumable_train/resume.py'),
                                         'resumable_train.resume.check_resumable': ( 'resume.html#check_resumable',
                                                                                     'resumable_train/resume.py'),

@@ -660,6 +660,7 @@ class AutoResume(Callback):
         try:
             hide_probes(self.learn)
             check_resumable(self.dls.train)
+            check_callbacks(self.learn)
             if self.replay: allow_replay(self.dls.train)
             keep_buffers(self.dls.train)  # a Hugging Face shuffle buffer keeps its content in its state
             # refuse, before the first batch, a loader that no run could continue inside an epoch

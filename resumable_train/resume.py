@@ -12,8 +12,9 @@ from .store import locate
 
 # %% auto #0
 __all__ = ['agree', 'share_checkpoint', 'patch_attrs', 'unpatch_attrs', 'allow_replay', 'fastai_like', 'loader_kind', 'check_len',
-           'check_resumable', 'loader_position', 'loader_record', 'replayed', 'Resumed', 'reshards', 'keep_buffers',
-           'resume_point', 'rest_point', 'restore_rest', 'checkpoint', 'fastai_pct', 'SkipToIter', 'SeedBatches']
+           'check_resumable', 'check_callbacks', 'loader_position', 'loader_record', 'replayed', 'Resumed', 'reshards',
+           'keep_buffers', 'resume_point', 'rest_point', 'restore_rest', 'checkpoint', 'fastai_pct', 'SkipToIter',
+           'SeedBatches']
 
 # %% ../nbs/02a_resume.ipynb #57000d75
 def world_size()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -173,6 +174,7 @@ from fastcore.basics import GetAttr
 from fastai.data.load import DataLoader
 from .state import *
 from .fitcalls import loader_of, is_webdataset
+from .hooks import is_a
 
 # %% ../nbs/02a_resume.ipynb #a1f0c021
 def patch_attrs(o, **attrs)->dict:
@@ -316,6 +318,20 @@ def check_resumable(dl):
         raise TypeError(f"Cannot resume a run whose training DataLoader ({type(dl).__name__}) has "
                         "persistent_workers=True: "
                         f"{_PERSISTENT} (resumed even at an epoch's end, it would train on other data)")
+
+# %% ../nbs/02a_resume.ipynb #b85513f8
+# fastai's callbacks whose training state stays outside what a resume point holds: what to use instead
+_UNRESUMABLE = {'fastai.callback.fp16.NonNativeMixedPrecision':
+    "fastai's `to_non_native_fp16()` keeps fp32 master copies of the weights and its loss scale in this callback, outside "
+    "the model and the optimizer that a resume point holds, so a resumed run would go on from the fp16 weights; use "
+    "`to_fp16()` (PyTorch's native mixed precision), whose scaler a resume point keeps"}
+
+def check_callbacks(learn):
+    "Raise a `TypeError` naming a callback of `learn` whose training state no resume point can hold"
+    for cb in learn.cbs:
+        why = next((w for c,w in _UNRESUMABLE.items() if is_a(cb, c)), None)
+        if why and not has_state(cb):
+            raise TypeError(f"Cannot resume a run with the callback {type(cb).__name__}: {why}")
 
 # %% ../nbs/02a_resume.ipynb #a1f0c015
 def loader_position(dl, kind:str):
@@ -646,6 +662,7 @@ def resume_point(learn)->dict|None:
     if pos is None and learn.resume.event not in ('after_fit','after_cancel_fit'): return None
     epoch,it = pos or (None,0)
     check_resumable(learn.dls.train)
+    check_callbacks(learn)
     loader = loader_record(learn.dls.train) if it else None  # refuses a resume point that no run could continue
     return dict(to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train,
                               hypers=learn.opt.hypers, setup=run_setup(learn, learn.n_epoch), meta=_meta())),
@@ -796,6 +813,7 @@ class SkipToIter(Callback):
         self.rp = rp = self.learn.resume.take()
         if rp is not None:
             check_resumable(self.dls.train)
+            check_callbacks(self.learn)
             if rp['check']: check_setup(rp['setup'], run_setup(self.learn, self.n_epoch), rp['file'])
             if rp.get('strict_hypers') is not None:
                 check_plan(rp.get('plan'), fit_plan(self.learn), rp['file'], rp['strict_hypers'])
