@@ -529,6 +529,9 @@ def _setup_refusal(rec, i:int, diff:list)->str:
     msg = '; '.join(f"fit call {i+1} {d}" for d in diff)
     if any(d.startswith('world_size:') for d in diff):
         msg += '; it ran on another number of processes: AutoResume(elastic=True) continues it on this one'
+    if any(d.startswith('trainable_params:') for d in diff):
+        msg += ("; it trains other parameters than that run did: a `freeze` or `unfreeze` this run makes elsewhere, or not at all "
+                "(in a branch that a cached stage skips?)")
     if _finished(rec, i) and any(d.startswith('n_epoch:') for d in diff): msg += _MORE
     return msg
 
@@ -689,7 +692,7 @@ class AutoResume(Callback):
         file,rec,state = self._scan()
         digest = start_digest(self.learn)
         if file is not None and rec.get('fit_index') is not None: i = rs.jump(i, digest, rec)  # a cached stage
-        rs.begin(i, me, run_setup(self.learn, self.n_epoch), digest, rec if file is not None else None)
+        rs.begin(i, me, run_setup(self.learn, self.n_epoch, start=True), digest, rec if file is not None else None)
         if calls.unfinished and (file is None or rec.get('fit_index', -1) < i):
             raise CheckpointError(f"AutoResume: fit call {i+1} stopped in this process before it wrote a resume point "
                                   f"in {self.folder}, so the Learner no longer holds the state that call started from. "

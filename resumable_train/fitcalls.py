@@ -39,13 +39,16 @@ def loader_of(dl):
     p = getattr(dl, 'pipeline', None) if is_webdataset(dl) else None
     return p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], torch.utils.data.DataLoader) else dl
 
-def run_setup(learn, n_epoch:int)->dict:
+def run_setup(learn, n_epoch:int,
+              start:bool=False, # as a fit call starts: with the parameters it trains (those `freeze` leaves)
+             )->dict:
     "What a resume point must agree on with the run that continues it"
     n_iter,dl = len(learn.dls.train),loader_of(learn.dls.train)
     return dict(n_epoch=n_epoch, n_iter=n_iter, bs=getattr(dl, 'bs', getattr(dl, 'batch_size', None)), **_data_setup(dl),
                 n_items=getattr(dl, 'n', None) or len(dl.dataset),
                 n_params=sum(p.numel() for p in learn.model.parameters()),
-                schedule=learn.resume.schedule, world_size=num_distrib() or 1, model=_arch(learn.model))
+                schedule=learn.resume.schedule, world_size=num_distrib() or 1, model=_arch(learn.model),
+                **({'trainable_params': sum(p.numel() for p in learn.model.parameters() if p.requires_grad)} if start else {}))
 
 def _arch_diff(saved:list, now:list)->str:
     "Where two architectures differ, in words: the first modules that differ"
@@ -250,7 +253,7 @@ class FitCalls:
         retry,cell = frame is held,_cell_run()
         run = ('cell', cell) if cell is not None else run if retry else next(_runs)
         self.caller = (frame, run)  # held until the next fit call (a frame's `id` may be another's once it ends)
-        return dict(site=call_site(), run=run, retry=retry, setup=run_setup(learn, learn.n_epoch), plan=plan)
+        return dict(site=call_site(), run=run, retry=retry, setup=run_setup(learn, learn.n_epoch, start=True), plan=plan)
 
     def which(self, me:dict, refusal)->int:
         "The number of the fit call `me` (see the rule above); `refusal(msg)` makes the error for none of them"

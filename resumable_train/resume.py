@@ -679,9 +679,10 @@ def _plain_default(v)->bool:
     return v is None or isinstance(v, (bool, int, float)) or isinstance(v, tuple) and all(isinstance(x, (int, float)) for x in v)
 
 def rest_point(learn)->dict:
-    "Between two fit calls, what the next one starts from beyond weights and optimizer: random streams, gradients, modes"
+    "Between two fit calls, what the next one starts from beyond weights and optimizer: streams, gradients, modes, what trains"
     return dict(rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders], grads=_grad_states(learn),
                 train_modes=[m.training for m in learn.model.modules()],
+                trainable=[p.requires_grad for p in learn.model.parameters()], frozen_idx=getattr(learn.opt, 'frozen_idx', None),
                 defaults={k: v for k in _DEFAULTS if _plain_default(v := getattr(learn, k, None))})
 
 def restore_rest(learn, rest:dict):
@@ -690,6 +691,9 @@ def restore_rest(learn, rest:dict):
     for dl,s in zip(learn.dls.loaders, rest['dl_rngs']): set_dl_rng_state(dl, s)
     restore_grads(learn, rest)
     for m,t in zip(learn.model.modules(), rest['train_modes']): m.training = t
+    if 'trainable' in rest:  # what `freeze`/`unfreeze` left (the rest points of 0.2 keep none)
+        for p,g in zip(learn.model.parameters(), rest['trainable']): p.requires_grad_(g)
+        if rest['frozen_idx'] is not None: learn.opt.frozen_idx = rest['frozen_idx']
     for k,v in rest.get('defaults', {}).items(): setattr(learn, k, tuple(v) if isinstance(v, list) else v)  # `learn.lr = ...`
     set_rng_state(rest['rng'])
 

@@ -3,7 +3,7 @@ uninterrupted with `AutoResume` and as stock fastai (same bits), killed in chose
 between two calls, inside validation, inside the end-of-call write), rerun to the end (bitwise the uninterrupted run, or refused
 before training with one message) and once more (trains nothing). See `random_scripts.py`; `benchmarks/soak.py` runs many more.
 
-The last six cases failed on the code of issue 28's filing: the ULMFiT window (`freeze` between two calls: a skipped call left no
+Six of the cases failed on the code of issue 28's filing: the ULMFiT window (`freeze` between two calls: a skipped call left no
 gradients), two Learners in one folder, `AutoResume` per fit call, a cached stage, `export` + `load_learner`, `MixUp` across a
 skipped call."""
 import random
@@ -32,6 +32,9 @@ CASES = [
     pytest.param(20, dict(app='digits', shape='one', mixup=True), ['between'], id='digits-mixup-skipped-call'),
     # found by the soak after the fixes above: a cached stage with `get_preds` (which draws from the streams) before the next call
     pytest.param(2048, dict(app='digits', shape='cached'), ['between', 'end_write'], id='digits-cached-preds-between'),
+    # found by the soak of this session's code (seed 4194, a text classifier): a `freeze` inside the cached branch; run again, the
+    # stage was loaded unfrozen and the next call trained every layer (a rest point now keeps which parameters train)
+    pytest.param(42, dict(app='digits', shape='cached'), ['first'], id='digits-freeze-in-cached-stage'),
 ]
 
 @pytest.mark.parametrize('seed,force,windows', CASES)
