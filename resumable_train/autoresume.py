@@ -524,6 +524,8 @@ def _finished(rec, i:int)->bool:
 _MORE = ("; to train on from where it ended, keep this fit call as it was and add another fit call after it "
          "(the finished one is loaded, not trained again)")
 
+_DATA_KEYS = ('n_iter', 'bs', 'workers', 'item_tfms', 'batch_tfms', 'n_items')  # what a run's DataLoaders decide
+
 def _setup_refusal(rec, i:int, diff:list)->str:
     "Why fit call `i` cannot continue the run of `rec`, whose setup of that call differs by `diff`, and what to do"
     msg = '; '.join(f"fit call {i+1} {d}" for d in diff)
@@ -843,6 +845,7 @@ class AutoResume(Callback):
         if self.elastic:  # perhaps written on another number of processes: its trainer's state as this run's trainer (or none) takes it
             rec = dict(rec, file=str(file))
             plan_resume(self.learn, rec, True)
+        if after: self._cached_data(rec, i)
         # after a cached stage, the script loaded the weights and the optimizer itself, and its code since may have changed them
         # (`freeze` clears the optimizer's state): they stay as they are
         if not after: load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)
@@ -860,6 +863,18 @@ class AutoResume(Callback):
         self.last_epoch = rec.get('last_epoch', self.n_epoch-1)
         self.ends = list(rec.get('ends', [])[:i]) + [file_name(file)]  # records of 0.1.0 have no ledger
         return rec
+
+    def _cached_data(self, rec, i:int):
+        "Warn when the call after a stage loaded from a cache trains on other data than fit call `i`, which made the stage"
+        then = (rec.get('fits') or [])[i:i+1]
+        if not then or then[0] is None: return
+        now = self.fits[-1]
+        diff = setup_diff(then[0], now, skip=set(now) - set(_DATA_KEYS))
+        if diff: warnings.warn(
+            f"AutoResume: fit call {i+2} comes after a stage this process loaded from a cache (fit call {i+1} was not made "
+            f"here), and trains on other data than fit call {i+1} did ({'; '.join(diff)}). If the script changes its "
+            "DataLoaders in the branch that loading the stage skips, change them in the loading branch too: the package "
+            "cannot tell, and this run would end elsewhere than one that trained the stage")
 
     def _hypers_changed(self, saved, plan, file, then):
         "Warn, or with `strict_hypers` refuse, when this fit call was asked for other hyperparameters than `file`'s"
