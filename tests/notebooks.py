@@ -45,7 +45,7 @@ _SUBS = [  # (pattern, replacement): what differs between two runs of the same n
     (r'(?m)(\s)\d\d:\d\d(\s*)$', r'\1mm:ss\2'),  # the same table as text
     (r'\b\d+\.\d+ ?s\b', 'N.NN s'),            # durations printed in seconds
     # a weights digest: a convolution's depends on the CPU, whatever ATEN_CPU_CAPABILITY says (torch hands convolutions to oneDNN, which
-    # picks its kernels by the CPU's vector units: the same cell printed c212b93c5a71 on an AVX-512 machine, 5ec2ae6017a9 on an AVX2 one);
+    # picks its kernels by the CPU's vector units: the demo's cell kept c212b93c5a71 and printed 5ec2ae6017a9 on an AVX2-only AMD EPYC);
     # the cells assert the digests that must be equal (interrupted and uninterrupted runs), and the README's MLP digest is checked by test_docs
     (r'\bweights [0-9a-f]{12}\b', 'weights DIGEST'),
 ]
