@@ -490,7 +490,7 @@ from .state import qualname
 from .resume import *
 from .hooks import hide_probes, hide_progress
 from .resume import read_on_rank0, restore_streams, restore_grads, fit_position, SeedBatches
-from .fitcalls import run_setup, setup_diff, fit_plan, check_plan, FitCalls, run_state, start_digest
+from .fitcalls import setup_diff, fit_plan, check_plan, FitCalls, run_state, start_digest
 from .learner import *
 from .learner import log_history, load_through, bypassed, plan_resume
 from .store import RunLog, point_at
@@ -694,7 +694,7 @@ class AutoResume(Callback):
         file,rec,state = self._scan()
         digest = start_digest(self.learn)
         if file is not None and rec.get('fit_index') is not None: i = rs.jump(i, digest, rec)  # a cached stage
-        rs.begin(i, me, run_setup(self.learn, self.n_epoch, start=True), digest, rec if file is not None else None)
+        rs.begin(i, me, me['setup'], digest, rec if file is not None else None)  # the setup `identify` took as the call starts
         if calls.unfinished and (file is None or rec.get('fit_index', -1) < i):
             raise CheckpointError(f"AutoResume: fit call {i+1} stopped in this process before it wrote a resume point "
                                   f"in {self.folder}, so the Learner no longer holds the state that call started from. "
