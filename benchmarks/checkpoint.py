@@ -43,8 +43,8 @@ def _steps(learn, d):
 VARIANTS = {'bare': lambda l,d: _bare(l, d/'bare.pth'),
             'bare atomic': lambda l,d: write_checkpoint({'model': l.model.state_dict(), 'opt': l.opt.state_dict()}, d/'atomic.pth', durable=False),
             'bare+fsync': lambda l,d: _bare(l, d/'bare.pth', fsync=True),
-            'save': lambda l,d: l.save(d/'save', durable=False),
-            'save durable': lambda l,d: l.save(d/'save', durable=True),
+            'save': lambda l,d: l.save(d/'save', durable=False, with_iter=True),
+            'save durable': lambda l,d: l.save(d/'save', durable=True, with_iter=True),
             'steps': _steps}
 
 class SaveBench(Callback):

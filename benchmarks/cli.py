@@ -10,7 +10,7 @@ class SaveAt(Callback):
     "Save a resume point after training batch `n`, then stop"
     def __init__(self, file, n): self.file,self.n = file,n
     def after_batch(self):
-        if self.training and self.iter == self.n: self.learn.save(self.file); raise CancelFitException
+        if self.training and self.iter == self.n: self.learn.save(self.file, with_iter=True); raise CancelFitException
 
 def run(quick=False, reps=None, device=None):
     reps = reps or (1 if quick else 7)

@@ -23,7 +23,7 @@ class SaveAfterFirst(Callback):
     def __init__(self, file): self.file = file
     def after_batch(self):
         if not self.training: return
-        self.learn.save(self.file, durable=False)
+        self.learn.save(self.file, durable=False, with_iter=True)
         raise CancelFitException()
 
 def _first_batch(learn, variant, k, rp):

@@ -44,7 +44,7 @@ class _Measure(Callback):
         with _Peak() as pk:
             if self.variant == 'bare':
                 torch.save({'model': learn.model.state_dict(), 'opt': learn.opt.state_dict()}, self.folder/'bare.pth')
-            elif self.variant == 'learn.save': learn.save(self.folder/'save')
+            elif self.variant == 'learn.save': learn.save(self.folder/'save', with_iter=True)
             else:
                 for _ in range(2 if self.variant.endswith('x2') else 1): ar._save()
                 ar.writer.wait()

@@ -105,7 +105,7 @@ class _FirstBatch(Callback):
 class _SaveAt(Callback):
     def __init__(self, file): self.file = file
     def after_batch(self):
-        if self.training: self.learn.save(self.file, durable=False); raise CancelFitException()
+        if self.training: self.learn.save(self.file, durable=False, with_iter=True); raise CancelFitException()
 
 def _rt_resume(learn, file, k):
     "Seconds from `learn.load(resume point at k)` to the first batch of the resumed fit, ready to train"

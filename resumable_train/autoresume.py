@@ -610,7 +610,7 @@ class AutoResume(Callback):
         self.state,self.decision,self.run_state = 'idle',None,None
         self.stop_signals,self.worker_signals,self.runlog,self.snapshot = self._new_stop_signals(),None,None,None
         self.added_seed,self.due,self.last_point,self.next_num,self.src = False,False,None,1,0
-        self.watched,self.last_epoch,self.stop_note = [],None,''
+        self.watched,self.last_epoch,self.stop_note,self.end_state = [],None,'',None
 
     # `learn.export` pickles the callbacks: the run, the handlers and the run log stay with this process
     def __getstate__(self):
@@ -670,7 +670,7 @@ class AutoResume(Callback):
             keep_buffers(self.dls.train)  # a Hugging Face shuffle buffer keeps its content in its state
             # refuse, before the first batch, a loader that no run could continue inside an epoch
             if self.every_iter or self.every_secs: loader_kind(self.dls.train)
-            self.run_state = run_state(self.store, self.fname)
+            self.run_state = self.learn.resume.run = self.current_run()  # a stage saved after this call belongs to it
             plan = fit_plan(self.learn)  # before a resume point's optimizer state replaces the hyperparameters it was given
             self.decision = self._decide(plan)
             file,rec = self.decision[1:3]
@@ -680,6 +680,10 @@ class AutoResume(Callback):
             continue_trackers(self.learn, rec, self.fit_index if file else self.fit_calls.done, done)  # see `trackers`
             if done: hide_progress(self.learn)
         except BaseException: self._cleanup(); raise
+
+    def current_run(self)->RunState:
+        "The run this `AutoResume` keeps in this process"
+        return run_state(self.store, self.fname)
 
     def _scan(self):
         "The newest valid resume point of the run, any node's: `(file, record, checkpoint)`; and the next file number"
@@ -782,7 +786,11 @@ class AutoResume(Callback):
         if self.state not in ('training', 'skipping'): return
         skipped = self.state == 'skipping'
         try:
-            if skipped: self.learn.epoch = self.last_epoch  # the epoch the finished call ended in
+            if skipped:
+                self.learn.epoch = self.last_epoch  # the epoch the finished call ended in
+                # a callback's `after_fit` may have loaded weights of a later call (`SaveModelCallback`'s best model, which
+                # that call wrote over): the call ends where it ended, as the next call and the code before it saw it
+                load_through(self.learn, _stem(self.end_state[0]), with_iter=False, state=self.end_state[1], elastic=self.elastic)
             else: self._save(end=True)
             self.writer.wait()
             self.fit_calls.finish()
@@ -848,7 +856,10 @@ class AutoResume(Callback):
         if after: self._cached_data(rec, i)
         # after a cached stage, the script loaded the weights and the optimizer itself, and its code since may have changed them
         # (`freeze` clears the optimizer's state): they stay as they are
-        if not after: load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)
+        if not after:
+            load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)
+            self.end_state = (file, state)
+
         # as continuing inside a fit call does (`SkipToIter`): the gradients a fit call left are state of the next one
         rested = after and self.learn.resume.rested  # the cache held them, and the code since drew from its streams
         if not rested: restore_grads(self.learn, rec)
@@ -899,7 +910,7 @@ class AutoResume(Callback):
         extra = dict(fit_index=self.fit_index, fits=rs.fits, ends=ends, starts=starts,
                      **({'last_epoch': self.epoch, 'train_modes': modes} if end else {}))
         if end: self.ends = ends
-        if rank_distrib(): return self.learn.save(_stem(self.store.where(name)), extra=extra) and name
+        if rank_distrib(): return self.learn.save(_stem(self.store.where(name)), with_iter=True, extra=extra) and name
         if not self.writer.wait(stopping): return  # before copying: one copy of the state at a time
         ck = checkpoint(self.learn, extra=extra)
         start = log_history(self.learn, ck, self.store, self.log)  # appended here: a few rows

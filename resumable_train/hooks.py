@@ -42,7 +42,8 @@ _RELIED_ON = {  # what the package relies on, as fastai 2.8.8-2.8.12 write it: s
     'Recorder.before_fit': 'e159c3a2e6a9', 'Recorder.after_batch': 'bc9c118320a4',
     'Recorder.after_epoch': '74aeee0c3f56',
     # the save and load the package replaces (`learner`), and what text learners did instead
-    'Learner.save': '6e7cbc8dfa6f', 'Learner.load': '94432abd9d4c', 'TextLearner.load': 'f19056c8bbfe',
+    'Learner.save': '6e7cbc8dfa6f', 'Learner.load': '94432abd9d4c', 'Learner.export': '1f9503f375bf', 'TextLearner.load': 'f19056c8bbfe',
+
     'load_model_text': '5a324ff10d0d',
     # fastai's Accelerate trainer, which `distributed` makes resumable (and able to run on a CPU)
     'DistributedTrainer.before_fit': 'fe6413ee1d09', 'DistributedTrainer.after_fit': 'e08e371b2fd6',
@@ -92,6 +93,7 @@ class ResumeState:
         self.skipping = False  # the running fit call finished in an earlier run: it trains nothing
         self.asked = []  # the optimizer's hyperparameters as the running fit call was asked for them, by group
         self.rested = False  # `learn.load` put back a stage's random streams and gradients (`rest_point`) since the last fit
+        self.run = None  # the run (`fitcalls.RunState`) of the last fit call made with `AutoResume`: a stage saved now belongs to it
     # `learn.export`: a Learner loaded with `load_learner` starts with no resume state
     def __getstate__(self): return {}
     def __setstate__(self, d): self.__init__()
@@ -111,11 +113,22 @@ class ResumeState:
     def end(self):
         "The fit call ended, whatever the way"
         self.fitting,self.skipping,self.start_epoch,self.first_iter,self.rested = False,False,0,0,False
+    def stage_mark(self)->dict|None:
+        "What a stage saved now between fit calls stands for: its run, and how many of the run's fit calls it follows"
+        return None if self.run is None else dict(where=self.run.where, done=self.run.calls.done)
+    def continues(self, mark:dict|None, run)->bool:
+        "Does loading a stage saved at `mark` continue `run` here: its run, at fit calls this process has not made?"
+        # in the process that saved it (or any later point of the run) the stage is a plain model file, as in fastai
+        if not (isinstance(mark, dict) and isinstance(mark.get('done'), int) and run is not None): return False
+        return mark.get('where') == run.where and run.calls.done < mark['done']
+
 
 @patch(as_prop=True)
 def resume(self:Learner)->ResumeState:
     "The owner of this Learner's resume state"
-    return self.__dict__.setdefault('resume_state', ResumeState())
+    rs = self.__dict__.get('resume_state')  # made once: this runs several times a batch
+    if rs is None: rs = self.__dict__['resume_state'] = ResumeState()
+    return rs
 
 class FitEvents(Callback):
     "Note the running event in `learn.resume` before any other callback, and whether `zero_grad` left the gradients"
@@ -191,13 +204,18 @@ def fit_call(learn, f, args, kwargs):
     finally: learn.resume.call = None
 
 def _start_through(f):
-    "Let the `fit_*` method `f` pass `start_epoch` and `start_iter` on to `Learner.fit`"
+    "Let the `fit_*` method `f` pass `start_iter` (with its `start_epoch`) on to `Learner.fit`"
     @wraps(f)
     def _fit(self, *args, start_epoch=0, start_iter=0, **kwargs):
-        self.resume.start = (start_epoch, start_iter, f.__name__)
+        # without `start_iter`, `start_epoch` goes to fastai's own method, which does with it what stock fastai does
+        # (`fit_flat_cos` drops it): the package changes nothing there
+        stock = dict(start_epoch=start_epoch) if start_epoch and not start_iter else {}
+        self.resume.start = (0, 0, f.__name__) if stock else (start_epoch, start_iter, f.__name__)
         try:
-            with fit_call(self, f, args, kwargs): return f(self, *args, **kwargs)
+
+            with fit_call(self, f, args, kwargs): return f(self, *args, **kwargs, **stock)
         finally: self.resume.start = (0, 0, 'fit')
+
     _fit._fastai = f
     return _fit
 

@@ -6,8 +6,11 @@
 from __future__ import annotations
 import sys, warnings
 from functools import partial
+
 import torch
 from fastcore.basics import patch
+from fastcore.meta import delegates
+
 from fastcore.foundation import L
 from fastai.torch_core import get_model, distrib_barrier, rank_distrib, to_device
 from fastai.learner import Learner, save_model
@@ -23,7 +26,7 @@ from .resume import world_size, read_on_rank0, log_owner, restore_rest
 from .fitcalls import run_setup
 
 # %% auto #0
-__all__ = []
+__all__ = ['run_of']
 
 # %% ../nbs/02b_learner.ipynb #a2e9e858
 short_refusals()  # a refusal or a stop that ends a script shows its message, not a traceback (see `00c_errors`)
@@ -68,13 +71,17 @@ _stock_save = fastai_code('Learner.save')  # fastai's own (the version guard che
 @patch
 def save(self:Learner, file, # a name in `learn.path/learn.model_dir`, a path, or an fsspec URL (`s3://bkt/run/model`)
          with_opt:bool=True, # save the optimizer state
-         with_iter:bool=True, # save the resume point (needs `with_opt`)
+         with_iter:bool|None=None, # save the resume point (needs `with_opt`); by default only a stage of an `AutoResume` run
          durable:bool=True, # fsync the file and its folder
          pickle_protocol:int=2, # as for `torch.save`
          extra:dict|None=None, # more plain values to keep in the record
         ):
     "Save model and optimizer state to `learn.path/learn.model_dir/file`, with the resume point if `with_iter`"
+    # by default as fastai's: a model file, inside a fit (`SaveModelCallback`) or out of one; between the fit calls of a run
+    # that `AutoResume` keeps, the stage a rerun may load from a cache instead of training it
+    if with_iter is None: with_iter = not self.resume.fitting and self.resume.run is not None
     file,full = _location(self, file),with_opt and with_iter and self.opt is not None
+
     if rank_distrib():
         if full: resume_point(self)  # every rank takes part in gathering the states (`DDPTrainer`'s random streams)
         return file
@@ -106,9 +113,26 @@ def _load_opt(opt, sd, file):
                for i,(p,s) in enumerate(zip(ps, sd['state']))
                for k,v in s.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape]
         if bad: raise CheckpointError(f"{file}: the optimizer state does not match this model: {'; '.join(bad[:5])}")
+    _put_opt(opt, sd)
+
+def _put_opt(opt, sd):
     opt.load_state_dict({k:v for k,v in sd.items() if k != 'resume'})
     if isinstance(getattr(type(opt), 'hypers', None), property): return
     opt.hypers = L(opt.hypers)  # saved as a plain list; fastai's optimizers keep an `L`
+
+def _stock_load_opt(opt, sd, with_opt):
+    "Load `sd` into `opt` as fastai's `load_model` does: a state that does not fit is left out, with fastai's warning"
+    try: _put_opt(opt, sd)
+    except Exception:
+        if with_opt: warnings.warn("Could not load the optimizer state.")
+
+
+def run_of(learn):
+    "The run (`RunState`) `learn` is part of: its last fit call's with `AutoResume`, or the run of an `AutoResume` it has"
+    if learn.resume.run is not None: return learn.resume.run
+    ar = next((cb for cb in learn.cbs if callable(getattr(cb, 'current_run', None))), None)
+    return None if ar is None else ar.current_run()
+
 
 # %% ../nbs/02b_learner.ipynb #206f7ec2
 def world_error(file, saved, now):
@@ -184,30 +208,35 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
     if self.opt is None: self.create_opt()
     file = _location(self, file)
     distrib_barrier()
-    opt = with_opt is not False
+    # fastai's `with_opt=None`: a `TextLearner` loads the optimizer state if the file has one, a `Learner` does not
+    opt = bool(with_opt) or with_opt is None and is_a(self, 'fastai.text.learner.TextLearner')
     if state is None: state = read_on_rank0(file, history=with_iter and opt)
     if device is not None: state = _to_device(state, device)
     hasopt,rec = set(state) == {'model','opt'},resume_record(state)
+    between = not self.resume.fitting or self.resume.event == 'before_fit'  # not a load inside a fit (`SaveModelCallback`)
+    point = with_iter and opt and between and rec is not None and rec.get('epoch') is not None
+    rest = (rec or {}).get('rest') if with_iter and opt and not self.resume.fitting else None
+    # only a stage of the run this process continues is more than a model file: see `ResumeState.continues`
+    stage = rest is not None and self.resume.continues(rest.get('run'), run_of(self))
     try: get_model(self.model).load_state_dict(_model_state(self, state['model'] if hasopt else state), strict=strict)
     except RuntimeError as e: raise CheckpointError(f"{file} does not match this Learner's model: {e}") from e
     if opt and hasopt:
-        if rec is not None: _load_opt(self.opt, state['opt'], file)
-        else:
-            try: self.opt.load_state_dict(state['opt'])
-            except Exception:
-                if with_opt: warnings.warn("Could not load the optimizer state.")
+        # a resume point, an end state or a stage of this run: the optimizer must be the one that was saved
+        if point or stage or 'fit_index' in (rec or {}): _load_opt(self.opt, state['opt'], file)
+        else: _stock_load_opt(self.opt, state['opt'], with_opt)
     elif with_opt: warnings.warn("Saved file doesn't contain an optimizer state.")
-    if not self.resume.fitting or self.resume.event == 'before_fit':
+    if between:
         self.resume.pending = None
-        if with_iter and opt and rec is not None and rec.get('epoch') is not None:
+        if point:
             rp = dict(rec, file=str(file), check=check_setup, strict_hypers=strict_hypers, fresh=list(fresh_callbacks))
             plan_resume(self, rp, elastic)
             self.resume.pending = rp
         else: plan_resume(self, None, elastic)
-        if with_iter and opt and not self.resume.fitting and (rec or {}).get('rest') is not None:
-            restore_rest(self, rec['rest'])  # a stage saved between two fit calls goes on as it went on then
+        if stage:
+            restore_rest(self, rest)  # a stage of this run, saved between two fit calls, goes on as it went on then
             self.resume.rested = True
     return self
+
 Learner.load._fastai = _stock_load
 
 # %% ../nbs/02b_learner.ipynb #104acf89
@@ -222,6 +251,8 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
     se,si,schedule = self.resume.take_start()
     if not (start_epoch or start_iter): start_epoch,start_iter = se,si
     if start_epoch or start_iter: self.resume.pending = None
+    # `start_epoch` alone is fastai's own: its `SkipToEpoch` runs the epochs before it as cancelled ones, as in stock fastai
+    stock_start,start_epoch = (start_epoch,0) if start_epoch and not start_iter else (0,start_epoch)
     if self.resume.pending is not None: reset_opt = False
     cbs = L(cbs)
     if not any(isinstance(cb, SkipToIter) for cb in cbs+self.cbs): cbs += SkipToIter(start_epoch, start_iter)
@@ -230,13 +261,27 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
     self.resume.begin(schedule)
     try:
         with fit_call(self, _stock_fit, (n_epoch,), {k: v for k,v in dict(lr=lr, wd=wd).items() if v is not None}):
-            _stock_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt)
+            _stock_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=stock_start)
+
     finally:
         self.resume.end()
         for cb in left.values():
             # whatever way `fit` ends: fastai sends no `after_fit` after an exception
             if hasattr(type(cb), 'left_fit'): cb.left_fit()
 Learner.fit._fastai = _stock_fit
+
+# %% ../nbs/02b_learner.ipynb #948857b7
+_stock_export = fastai_code('Learner.export')  # fastai's own (the version guard checks it)
+
+@patch
+@delegates(_stock_export)
+def export(self:Learner, fname='export.pkl', **kwargs):
+    "Export the content of `self` without the items and the optimizer state for inference, as fastai does"
+    rs = self.__dict__.pop('resume_state', None)  # this process's alone, as a run's state is
+    try: return _stock_export(self, fname, **kwargs)
+    finally:
+        if rs is not None: self.__dict__['resume_state'] = rs
+Learner.export._fastai = _stock_export
 
 # %% ../nbs/02b_learner.ipynb #c8b92326
 def bypassed(learn, name):

@@ -683,7 +683,9 @@ def rest_point(learn)->dict:
     return dict(rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders], grads=_grad_states(learn),
                 train_modes=[m.training for m in learn.model.modules()],
                 trainable=[p.requires_grad for p in learn.model.parameters()], frozen_idx=getattr(learn.opt, 'frozen_idx', None),
-                defaults={k: v for k in _DEFAULTS if _plain_default(v := getattr(learn, k, None))})
+                defaults={k: v for k in _DEFAULTS if _plain_default(v := getattr(learn, k, None))},
+                run=learn.resume.stage_mark())  # `learn.load` puts it back only where it continues that run
+
 
 def restore_rest(learn, rest:dict):
     "Put back a `rest_point`: a stage loaded from a cache goes on as the run that saved it went on"

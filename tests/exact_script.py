@@ -52,7 +52,7 @@ class StopAt(Callback):
     order = 95
     def __init__(self, epoch, iter, fname): self.at,self.fname,self.saved = (epoch, iter),fname,False
     def _stop(self):
-        self.learn.save(self.fname)
+        self.learn.save(self.fname, with_iter=True)
         self.saved = True
         raise CancelFitException()
     def after_batch(self):

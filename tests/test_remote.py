@@ -253,7 +253,7 @@ def test_cli_ls_inspect(s3, monkeypatch, capsys):
     s3fs.S3FileSystem.clear_instance_cache()
     learn = synth_learner()
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
-    learn.save(f'{url}/a-0001')  # the record of a finished run
+    learn.save(f'{url}/a-0001', with_iter=True)  # the record of a finished run
     s3.client().put_object(Bucket=s3.bucket, Key='cli/a-0002.pth', Body=b'PK')
     assert main(['ls', url]) == 0
     out = capsys.readouterr().out.splitlines()

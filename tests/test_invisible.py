@@ -1,0 +1,140 @@
+"""Invisible until it resumes (issue 37): with the package imported, a workflow that never resumes ends bit for bit as stock fastai's.
+
+Each workflow of `invisible_script.py` (one row of the issue each) runs twice: in a real process that never imports the package
+(`--stock`), and in children forked from the test process, which imported it (see forked.py). The two sides run at the same time.
+Jobs `X_b` need the files of `X_a` and run in a second process of each side; `autoresume_smc` (the package side with `AutoResume`)
+runs alone on the package side, then twice more, as a finished script run again: those reruns train nothing and end as stock did.
+"""
+import subprocess, time
+import pytest, torch
+from helpers import PY, TESTS, kill_group, load_result
+from helpers import test_env as subprocess_env  # not a test
+
+SCRIPT = str(TESTS/'invisible_script.py')
+ENV = dict(MPLBACKEND='Agg')  # `lr_find` plots
+TIMEOUT = 120  # seconds, for each process
+FIRST = ['course', 'freezeload', 'foreign', 'wdchange', 'xproc_a', 'bestfile_a', 'strict', 'withoptnone', 'persistent', 'midsave',
+         'export', 'startepoch_onecycle', 'startepoch_flatcos', 'lrfind']
+SECOND = ['xproc_b', 'bestfile_b']  # in another process, after FIRST: they load files of the `_a` jobs
+JOBS = FIRST + SECOND + ['autoresume_smc']
+RERUNS = 2
+# What is compared, in this order (the first difference reported is the most telling): the job's own extras come after
+FIELDS = ('error', 'steps', 'warnings', 'model', 'opt', 'values', 'losses', 'lrs', 'train_iter', 'lr', 'wd', 'requires_grad',
+          'frozen_idx', 'rng')
+EXTRAS = ('between', 'opt_after_load', 'suggestion', 'loaded')
+RERUN_FIELDS = ('error', 'model', 'between', 'opt', 'values')  # a rerun that trains nothing: the end state of the run, as stock's
+
+def _start_stock(out, jobs):
+    "Stock fastai in a real process of its own session, its output in a file (a pipe nobody reads would stop it)"
+    log = out/f'stock-{jobs[0]}.log'
+    with open(log, 'w') as f:
+        p = subprocess.Popen([PY, SCRIPT, str(out), *jobs, '--stock'], stdout=f, stderr=subprocess.STDOUT, env=subprocess_env(ENV),
+                             start_new_session=True)
+    p.log,p.jobs = log,jobs
+    return p
+
+def _finish_stock(p):
+    "Wait for a process of `_start_stock` at most `TIMEOUT` seconds; return (rc, output)"
+    try: p.wait(TIMEOUT); late = ''
+    except subprocess.TimeoutExpired: late = f'\n[killed after {TIMEOUT}s timeout]'
+    finally: kill_group(p)  # its DataLoader workers and the export's loader too
+    return p.wait(), p.log.read_text() + late
+
+def _results(out, jobs, rc, log, what):
+    "The results of one process: a process that ended badly fails every job of it, with its output"
+    assert rc == 0, f"{what} ({' '.join(jobs)}) failed with rc={rc}\n{log[-5000:]}"
+    return {j: load_result(out/f'{j}.pth') for j in jobs}
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory, request):
+    "Both sides of every job; returns {'stock': {job: result}, 'package': {job: result}, 'reruns': [result, ...], 'times': ...}"
+    d = tmp_path_factory.mktemp('invisible')
+    (d/'stock').mkdir(); (d/'package').mkdir()
+    t0,times = time.time(),{}
+    stock = _start_stock(d/'stock', FIRST + ['autoresume_smc'])
+    forker = request.getfixturevalue('forker')  # imports fastai and the package here while the stock process imports fastai
+    def package(*jobs):
+        p = forker.start(SCRIPT, d/'package', *jobs, env=ENV)
+        try: log,_ = p.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired: log = f'[forked] killed after {TIMEOUT}s timeout'
+        return _results(d/'package', jobs, p.returncode, log, 'the package side')
+    res = dict(stock={}, package={}, reruns=[], times=times)
+    res['package'].update(package(*FIRST))
+    res['stock'].update(_results(d/'stock', stock.jobs, *_finish_stock(stock), 'the stock side'))
+    times['first'] = time.time()-t0
+    stock = _start_stock(d/'stock', SECOND)
+    res['package'].update(package(*SECOND))
+    res['package'].update(package('autoresume_smc'))
+    res['reruns'] = [package('autoresume_smc')['autoresume_smc'] for _ in range(RERUNS)]
+    res['stock'].update(_results(d/'stock', stock.jobs, *_finish_stock(stock), 'the stock side'))
+    times['all'] = time.time()-t0
+    print('process times', times)
+    return res
+
+def _raised(tb):
+    "A traceback, its exception first: 'raised TypeError: ...' then the traceback's last lines"
+    if not tb: return 'raised nothing'
+    lines = tb.rstrip().splitlines()
+    last_frame = max([i for i,l in enumerate(lines) if l.startswith('  File ')], default=-1)
+    first = next((i for i,l in enumerate(lines) if i > last_frame and l and not l[0].isspace()), len(lines)-1)
+    return f"raised {' '.join(lines[first:])}\n  ({'...' if len(tb) > 1500 else ''}{tb[-1500:]})"
+
+def _diff(a, b, path)->list:
+    "Where plain nested values differ, each as 'path: stock value vs package value' (tensors with `torch.equal`, dtype included)"
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape: return [f"{path}: stock {a.dtype}{tuple(a.shape)} vs package {b.dtype}{tuple(b.shape)}"]
+        if torch.equal(a, b): return []
+        ne = (a != b).nonzero()
+        if not len(ne): return [f"{path}: tensors differ (NaN)"]
+        i = tuple(ne[0].tolist())
+        return [f"{path}: {len(ne)} of {a.numel()} elements differ, first at {list(i)}: stock {a[i].item()!r} vs package {b[i].item()!r}"]
+    if isinstance(a, dict) and isinstance(b, dict):
+        only = [f"{path}: keys only in stock {sorted(map(str, set(a)-set(b)))}, only in the package {sorted(map(str, set(b)-set(a)))}"]
+        return (only if set(a) != set(b) else []) + [d for k in a if k in b for d in _diff(a[k], b[k], f"{path}.{k}")]
+    if type(a).__name__ == 'L': a = list(a)  # fastcore's `L`
+    if type(b).__name__ == 'L': b = list(b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        n = [f"{path}: stock has {len(a)} items vs package {len(b)}"] if len(a) != len(b) else []
+        return n + [d for i,(x,y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{path}[{i}]")]
+    comparable = type(a) == type(b) or isinstance(a, (int, float)) and isinstance(b, (int, float))
+    return [] if comparable and a == b else [f"{path}: stock {a!r} vs package {b!r}"]
+
+def _differences(ref, got, fields):
+    "Where the package side differs from stock, field by field"
+    out = []
+    for k in fields:
+        if k not in ref and k not in got: continue
+        if k == 'error' and got.get(k) != ref.get(k):
+            out.append(f"error: stock {_raised(ref.get(k))} vs the package {_raised(got.get(k))}")
+        elif k == 'warnings' and got.get(k) != ref.get(k):
+            out.append(f"warnings: stock {ref.get(k)} vs package {got.get(k)}")
+        else: out += _diff(ref.get(k), got.get(k), k)
+    return out
+
+def _check_stock(job, ref):
+    "The stock side is the reference: it must itself have worked"
+    assert not ref['error'], f"{job}: stock fastai itself raised (a bug of the test script):\n{ref['error']}"
+    if job == 'export':
+        assert ref['loaded']['ok'], f"stock fastai's own export does not load (a bug of the test script):\n{ref['loaded']['error']}"
+
+@pytest.mark.parametrize('job', JOBS)
+def test_never_resumed(runs, job):
+    "The package imported, a workflow that never resumes: weights, optimizer, Recorder, random states, steps, warnings all as stock"
+    ref,got = runs['stock'][job],runs['package'][job]
+    _check_stock(job, ref)
+    if job == 'export':
+        ld = got['loaded']
+        assert ld['ok'] and not ld['imported'], (
+            f"export: fastai alone (the package never imported) must load the Learner exported with the package imported; "
+            f"load_learner {'worked' if ld['ok'] else 'failed'}, the package imported: {ld['imported'] or 'no'}\n{ld['error'] or ''}")
+    diffs = _differences(ref, got, FIELDS + EXTRAS)
+    assert not diffs, f"{job}: {len(diffs)} differences (stock vs package), first:\n" + '\n'.join(diffs[:8])
+
+@pytest.mark.parametrize('n', range(1, RERUNS+1))
+def test_finished_script_rerun(runs, n):
+    "`autoresume_smc` run again after its end (package side, with AutoResume): trains nothing, ends as stock's run ended"
+    ref,got = runs['stock']['autoresume_smc'],runs['reruns'][n-1]
+    _check_stock('autoresume_smc', ref)
+    diffs = _differences(ref, got, RERUN_FIELDS)
+    if got['steps']: diffs.insert(0, f"steps: 0 expected (a finished script run again trains nothing), got {got['steps']}")
+    assert not diffs, f"autoresume_smc rerun {n}: {len(diffs)} differences (stock vs package), first:\n" + '\n'.join(diffs[:8])
