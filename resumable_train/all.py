@@ -10,10 +10,12 @@ from .learner import *  # `Learner.save`, `load` and `fit`, patched
 from .state import register_state
 from .files import CheckpointError, read_checkpoint
 from .resume import SkipToIter, SeedBatches, allow_replay
+from .workers import WorkerStreams
 from .autoresume import AutoResume, list_checkpoints, newest_valid, wandb_id
 from .distributed import DDPTrainer, init_distributed
 from .cli import checkpoint_info, weights_digest, digits_learner
 
-__all__ = ['AutoResume', 'SkipToIter', 'SeedBatches', 'DDPTrainer', 'init_distributed', 'register_state', 'allow_replay',
+__all__ = ['AutoResume', 'SkipToIter', 'WorkerStreams', 'SeedBatches', 'DDPTrainer', 'init_distributed', 'register_state', 'allow_replay',
+
            'list_checkpoints', 'newest_valid', 'read_checkpoint', 'CheckpointError', 'checkpoint_info', 'wandb_id',
            'weights_digest', 'digits_learner']

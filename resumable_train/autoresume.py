@@ -490,6 +490,7 @@ from .state import qualname
 from .resume import *
 from .hooks import hide_probes, hide_progress
 from .resume import read_on_rank0, restore_streams, restore_grads, fit_position, SeedBatches
+from .workers import WorkerStreams, stampable
 from .fitcalls import setup_diff, fit_plan, check_plan, FitCalls, run_state, start_digest
 from .learner import *
 from .learner import log_history, load_through, bypassed, plan_resume
@@ -609,7 +610,7 @@ class AutoResume(Callback):
         "The state between fit calls: every field a fit call sets, at rest (see the table above)"
         self.state,self.decision,self.run_state = 'idle',None,None
         self.stop_signals,self.worker_signals,self.runlog,self.snapshot = self._new_stop_signals(),None,None,None
-        self.added_seed,self.due,self.last_point,self.next_num,self.src = False,False,None,1,0
+        self.added,self.due,self.last_point,self.next_num,self.src = None,False,None,1,0
         self.watched,self.last_epoch,self.stop_note,self.end_state = [],None,'',None
 
     # `learn.export` pickles the callbacks: the run, the handlers and the run log stay with this process
@@ -743,7 +744,7 @@ class AutoResume(Callback):
             if kind == 'after': self._say(f"AutoResume: fit call {self.fit_index} finished in an earlier run; its end "
                                           f"state is loaded from {self.store.where(self.ends[-1])}")
             if kind == 'continue': self._continue(file, rec, state)
-            self._add_seed_batches()
+            self._add_worker_streams()
             self.state,self.last_save = 'training',time.monotonic()
             self.fit_calls.unfinished = self.run_state.trained = True
             fresh = kind == 'start' and self.fit_index == 0 and file is None
@@ -996,12 +997,15 @@ class AutoResume(Callback):
         "From the start of a phase, when its loader forks workers, to its first batch: see `WorkerSignals`"
         if self.state == 'training' and self.worker_signals is not None: self.worker_signals.hold(on)
 
-    def _add_seed_batches(self):
-        "Add `SeedBatches` for this fit call when the training DataLoader has workers and the Learner has none"
+    def _add_worker_streams(self):
+        "Add `WorkerStreams` for this fit call when the training DataLoader has workers and the Learner has neither it nor `SeedBatches`"
         dl = self.dls.train
         workers = getattr(getattr(dl, 'fake_l', dl), 'num_workers', 0)  # fastai's DataLoader, or PyTorch's
-        self.added_seed = bool(workers) and not any(isinstance(cb, SeedBatches) for cb in self.learn.cbs)
-        if self.added_seed: self.learn.add_cb(SeedBatches())
+        # the workers of a loader that keeps its own position (torchdata's) cannot be stamped: its batches are seeded instead
+        cls = WorkerStreams if stampable(dl) else SeedBatches if workers else None
+        if cls is None or any(isinstance(cb, (WorkerStreams, SeedBatches)) for cb in self.learn.cbs): return
+        self.added = cls()
+        self.learn.add_cb(self.added)
 
     def _cleanup(self):
         "Back to 'idle' from any state: handlers and patches put back, what this fit call added removed"
@@ -1009,10 +1013,9 @@ class AutoResume(Callback):
         self.stop_signals.restore()
         if self.learn is not None:
             hide_probes(self.learn, False)
-            if self.added_seed:
-                seeds = L(self.learn.cbs).filter(lambda cb: isinstance(cb, SeedBatches))
-                for cb in seeds: cb.after_train()  # a stop inside the training phase left its patches on the DataLoader
-                self.learn.remove_cbs(seeds)
+            if self.added is not None:
+                self.added.after_train()  # a stop inside the training phase left its patches on the DataLoader
+                self.learn.remove_cb(self.added)
         signum,note,run = self.stop_signals.signum,self.stop_note,self.run_state
         self._idle()
         self.stop_signals.signum,self.stop_note,self.run_state = signum,note,run  # for `_exit`, and `fit_index`

@@ -35,7 +35,8 @@ _RELIED_ON = {  # what the package relies on, as fastai 2.8.8-2.8.12 write it: s
     'TrainEvalCallback.after_batch': 'da1ce445d3ea', 'DataLoader.__iter__': 'd31a19eaa17e',
     'DataLoader.create_batches': 'a2178e96cd63', 'DataLoader.get_idxs': 'c2227a694d87',
     '_FakeLoader.__iter__': 'f39234f4c7cd',
-    # the batching `SeedBatches` re-implements, and the worker setup `WorkerSignals` wraps
+    # the batching `SeedBatches` re-implements, and the worker setup `WorkerSignals` and `WorkerStreams` wrap
+
     'DataLoader.sample': '630c1af4ccae', 'DataLoader.chunkify': 'bf09bfe0f5fd', 'DataLoader.do_item': 'fccac713e915',
     '_FakeLoader.__init__': '1530b54f903e',
     # the `Recorder` whose lists the resume point saves and the history log packs

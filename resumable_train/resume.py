@@ -11,10 +11,9 @@ from .files import stock_safe
 from .store import locate
 
 # %% auto #0
-__all__ = ['agree', 'share_checkpoint', 'patch_attrs', 'unpatch_attrs', 'allow_replay', 'fastai_like', 'loader_kind', 'check_len',
-           'check_resumable', 'check_callbacks', 'loader_position', 'loader_record', 'replayed', 'Resumed', 'reshards',
-           'keep_buffers', 'resume_point', 'rest_point', 'restore_rest', 'checkpoint', 'fastai_pct', 'SkipToIter',
-           'SeedBatches']
+__all__ = ['agree', 'share_checkpoint', 'allow_replay', 'fastai_like', 'loader_kind', 'check_len', 'check_resumable',
+           'check_callbacks', 'loader_position', 'loader_record', 'replayed', 'Resumed', 'reshards', 'keep_buffers',
+           'resume_point', 'rest_point', 'restore_rest', 'checkpoint', 'fastai_pct', 'SkipToIter', 'SeedBatches']
 
 # %% ../nbs/02a_resume.ipynb #57000d75
 def world_size()->int: return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -175,19 +174,6 @@ from fastai.data.load import DataLoader
 from .state import *
 from .fitcalls import loader_of, is_webdataset
 from .hooks import is_a
-
-# %% ../nbs/02a_resume.ipynb #a1f0c021
-def patch_attrs(o, **attrs)->dict:
-    "Set attributes of `o` in its `__dict__` (a DataLoader refuses `setattr` of its sampler); for `unpatch_attrs`"
-    old = {n: o.__dict__.get(n) for n in attrs}
-    o.__dict__.update(attrs)
-    return old
-
-def unpatch_attrs(o, old:dict):
-    "Put back the attributes `patch_attrs` set"
-    for n,v in old.items():
-        if v is None: o.__dict__.pop(n, None)
-        else: o.__dict__[n] = v
 
 # %% ../nbs/02a_resume.ipynb #a1f0c006
 _replayable = weakref.WeakSet()  # the loaders opted in to `allow_replay`
@@ -592,6 +578,7 @@ from .state import *
 from .state import logged_histories
 from .hooks import fit_events
 from .fitcalls import run_setup, fit_plan_once
+from .workers import stampable
 
 # %% ../nbs/02a_resume.ipynb #866a68e2
 def _grad_state(p, zeroed=False): return None if p.grad is None else 0 if zeroed or not p.grad.any() else p.grad
@@ -655,7 +642,30 @@ def _meta():
     from resumable_train import __version__
     return dict(time=time.time(), torch=torch.__version__, fastai=fastai.__version__, resumable_train=__version__)
 
+def _worker_streams(learn)->list|None:
+    "The streams of the training DataLoader's workers (`WorkerStreams`), which a resume point inside an epoch keeps"
+    ws = getattr(learn, 'worker_streams', None)
+    if ws is not None and ws.workers is not None: return ws.state()
+    if stampable(learn.dls.train) and not hasattr(learn, 'seed_batches'):
+        raise TypeError(f"Cannot resume inside an epoch of a training DataLoader with {_workers_of(learn.dls.train)} workers "
+                        "without their random streams: add WorkerStreams() to the Learner's callbacks (AutoResume adds it), "
+                        "or save at an epoch's end")
+
+def _workers_of(dl)->int: return dl.fake_l.num_workers if hasattr(dl, 'fake_l') else dl.num_workers
+
+def _resume_workers(learn, rp, first:int):
+    "Start the workers of an epoch resumed at batch `first` from the streams `rp` keeps"
+    ws = getattr(learn, 'worker_streams', None)
+    if ws is None or ws.workers is None: return
+    saved = rp.get('workers')
+    if saved is None or len(saved) != ws.workers.n:
+        raise CheckpointError(f"{rp['file']} holds no random streams of the training DataLoader's {ws.workers.n} workers (a resume "
+                              "point of resumable_train 0.4, which seeded each batch instead): its epoch cannot go on as it "
+                              "began; continue it with resumable_train 0.4, or resume from an epoch's end")
+    ws.resume(saved, first)
+
 def resume_point(learn)->dict|None:
+
     "The state of `learn`'s running `fit` at this batch boundary (or at its end), or `None` outside `fit`"
     if not learn.resume.fitting: return None
     pos = fit_position(learn)
@@ -669,6 +679,7 @@ def resume_point(learn)->dict|None:
         rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders],  # plain already:
         dl_states=dl_states(learn), modules=module_states(learn.model),
         epoch_rng=learn.skip_to_iter.epoch_rng if it else None, loader=loader, callbacks=callback_states(learn),
+        workers=_worker_streams(learn) if it else None,
         metric_names=_value_names(learn), plan=fit_plan_once(learn),
         grads=_grad_states(learn))  # walked once more, these would cost more than the rest of the snapshot
 
@@ -854,6 +865,7 @@ class SkipToIter(Callback):
             set_dl_rng_state(self.dls.train, self.epoch_rng['dl'])
             restore_state(self.dls.train, self.epoch_rng.get('dl_state'))
             restore_streams(self.learn, rp, dls=False, fresh=rp['fresh'])
+            _resume_workers(self.learn, rp, self.start_iter)
         saved = (rp or {}).get('loader') or {}  # read after the callbacks' states: `DDPTrainer` gives each rank its own
         if rp is not None and saved.get('kind', kind) != kind:
             raise CheckpointError(

@@ -13,9 +13,10 @@ from .files import *
 from .files import unpack
 
 # %% auto #0
-__all__ = ['to_plain', 'rng_state', 'set_rng_state', 'dl_rng_state', 'set_dl_rng_state', 'register_state', 'has_state',
-           'state_of', 'restore_state', 'History', 'callback_keys', 'callback_states', 'load_callback_states',
-           'dl_states', 'load_dl_states', 'module_states', 'load_module_states']
+__all__ = ['to_plain', 'rng_state', 'set_rng_state', 'raw_streams', 'plain_streams', 'dl_rng_state', 'set_dl_rng_state',
+           'patch_attrs', 'unpatch_attrs', 'register_state', 'has_state', 'state_of', 'restore_state', 'History',
+           'callback_keys', 'callback_states', 'load_callback_states', 'dl_states', 'load_dl_states', 'module_states',
+           'load_module_states']
 
 # %% ../nbs/01_state.ipynb #45ebe4e0
 def to_plain(o, copy:bool=False): # copy tensors to host memory, detached from training
@@ -60,6 +61,17 @@ def set_rng_state(s:dict): # a dict from `rng_state`
                              numpy_state=_np_state(s['numpy_state']), torch_state=s['torch_state'].cpu(),
                              torch_cuda_state=[t.cpu() for t in s['torch_cuda_state']]))
 
+# %% ../nbs/01_state.ipynb #a3a5d8ab
+def raw_streams()->tuple:
+    "python's, numpy's and torch's CPU streams, as python and numpy values (for `plain_streams`)"
+    return random.getstate(),np.random.get_state(),torch.get_rng_state().numpy()
+
+def plain_streams(s:tuple)->dict:
+    "The streams `raw_streams` took, as `rng_state` keeps them"
+    return dict(random_state=_py_plain(s[0]), numpy_state=_np_plain(s[1]), torch_state=torch.from_numpy(s[2].copy()),
+                torch_cuda_state=[], torch_deterministic=torch.backends.cudnn.deterministic,
+                torch_benchmark=torch.backends.cudnn.benchmark)
+
 # %% ../nbs/01_state.ipynb #4dfd6525
 def _chain(s):
     "A sampler and the samplers it wraps, through their `sampler` attributes"
@@ -82,6 +94,19 @@ def set_dl_rng_state(dl, s:list|dict|None):
     if isinstance(s, dict):
         for g,t in zip(_torch_generators(dl), s['generators']): g.set_state(t)
     elif s is not None: dl.rng.setstate(_py_state(s))
+
+# %% ../nbs/01_state.ipynb #a1f0c021
+def patch_attrs(o, **attrs)->dict:
+    "Set attributes of `o` in its `__dict__` (a DataLoader refuses `setattr` of its sampler); for `unpatch_attrs`"
+    old = {n: o.__dict__.get(n) for n in attrs}
+    o.__dict__.update(attrs)
+    return old
+
+def unpatch_attrs(o, old:dict):
+    "Put back the attributes `patch_attrs` set"
+    for n,v in old.items():
+        if v is None: o.__dict__.pop(n, None)
+        else: o.__dict__[n] = v
 
 # %% ../nbs/01_state.ipynb #42fc7de7
 def qualname(c): return f'{c.__module__}.{c.__qualname__}'

@@ -1,16 +1,17 @@
 """Train one of fastai's applications (or a plain Dataset or PyTorch DataLoader) with `AutoResume(every_iter=3)`, for `killrerun`.
 
-`python apps_script.py OUT APP [--data DIR] [--no-resume] [--then]`, run in the run's folder: APP is one of `LEARNERS`;
+`python apps_script.py OUT APP [--data DIR] [--then]`, run in the run's folder: APP is one of `LEARNERS`;
 `--then` adds a fit call after the app's own (what a rerun that skips a completed fit call continues with).
+`python apps_script.py OUTDIR --stock [--data DIR] [--apps APP...]` runs every app (or those given), one after the other in `OUTDIR/APP`, as stock fastai (the package
+is never imported), without and with `--then`: `OUTDIR/APP.pth` and `OUTDIR/APP-then.pth` hold the results.
 """
-import argparse, random
+import argparse, random, sys
 from functools import partial
 from pathlib import Path
 import numpy as np, pandas as pd, torch
 from torch import nn
 from fastai.basics import *
 from fastai.callback.all import *
-from resumable_train.autoresume import AutoResume
 from killrerun import Report, save_result
 
 def digits_folder(path, n=12):
@@ -81,20 +82,31 @@ def torchdl(a):
 
 LEARNERS = dict(vision=vision, tabular=tabular, collab=collab, dataset=dataset, torchdl=torchdl)
 
-if __name__ == '__main__':
-    p = argparse.ArgumentParser()
-    p.add_argument('out')
-    p.add_argument('app', choices=list(LEARNERS))
-    p.add_argument('--data', default='data', help='folder for the images of `vision`')
-    p.add_argument('--no-resume', action='store_true', help='without AutoResume')
-    p.add_argument('--then', action='store_true', help='another fit call after the first')
-    a = p.parse_args()
+def run(a, out, app, path, cbs=()):
+    "Train `app` in `path`, with `Report` and `cbs`; save its result to `out`"
     set_seed(11, reproducible=True)
-    learn,train = LEARNERS[a.app](a)
-    learn.path = Path('.').absolute()
-    learn.add_cbs([Report()] + ([] if a.no_resume else [AutoResume(every_iter=3, verbose=True)]))
+    learn,train = LEARNERS[app](a)
+    learn.path = Path(path).absolute()
+    learn.add_cbs([Report(), *cbs])
     with learn.no_bar():
         train()
         if a.then: learn.fit_one_cycle(1, 1e-3)
-    save_result(learn, a.out)
+    save_result(learn, out)
+
+if __name__ == '__main__':
+    p = argparse.ArgumentParser()
+    p.add_argument('out')
+    p.add_argument('app', nargs='?', choices=list(LEARNERS))
+    p.add_argument('--data', default='data', help='folder for the images of `vision`')
+    p.add_argument('--stock', action='store_true', help='every app, as stock fastai (the package never imported)')
+    p.add_argument('--then', action='store_true', help='another fit call after the first')
+    p.add_argument('--apps', nargs='*', default=list(LEARNERS), help='with --stock: the apps to run')
+    a = p.parse_args()
+    if a.stock:
+        for app in a.apps:
+            for a.then in (False, True): run(a, Path(a.out)/f"{app}{'-then'*a.then}.pth", app, Path(a.out)/app)
+        assert not any(m.startswith('resumable_train') for m in sys.modules), "the stock run imported the package"
+    else:
+        from resumable_train.autoresume import AutoResume
+        run(a, a.out, a.app, '.', [AutoResume(every_iter=3, verbose=True)])
     print('DONE', flush=True)

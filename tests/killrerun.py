@@ -8,9 +8,8 @@ It runs in children forked by `forked.Forker`, so `import fastai` is paid once p
 """
 import hashlib, os, signal, subprocess, time
 from pathlib import Path
-import torch
+import numpy as np, torch
 from fastai.callback.core import Callback
-from resumable_train.state import to_plain
 from helpers import diff_values
 
 class Report(Callback):
@@ -24,10 +23,17 @@ class Report(Callback):
         print('BATCH', self.learn.n_fit, self.epoch, self.iter, flush=True)
         if os.environ.get('KILLRERUN_SLEEP'): time.sleep(float(os.environ['KILLRERUN_SLEEP']))
 
+def _plain(o):
+    "`o` as `torch.load(weights_only=True)` reads it, without the package (a stock run's script imports none of it)"
+    if isinstance(o, torch.Tensor): return o.detach().cpu().as_subclass(torch.Tensor)
+    if isinstance(o, dict): return {k: _plain(v) for k,v in o.items()}
+    if isinstance(o, (list, tuple)) or type(o).__name__ == 'L': return [_plain(v) for v in o]
+    return o.item() if isinstance(o, np.generic) else o
+
 def save_result(learn, out):
     "Save what `compare` checks: weights, optimizer state, `Recorder` history, step count"
     rec = learn.recorder
-    torch.save(to_plain(dict(model=learn.model.state_dict(), opt=learn.opt.state_dict(), values=rec.values, losses=rec.losses,
+    torch.save(_plain(dict(model=learn.model.state_dict(), opt=learn.opt.state_dict(), values=rec.values, losses=rec.losses,
                              lrs=rec.lrs, iters=rec.iters, steps=getattr(learn, 'steps', 0))), out)
 
 def batches(lines)->list:

@@ -1,8 +1,10 @@
-"fastai's applications, a plain Dataset with workers and plain PyTorch DataLoaders, killed twice by SIGKILL with AutoResume and rerun: bitwise the uninterrupted run."
-import random
+"""fastai's applications, a plain Dataset with workers and plain PyTorch DataLoaders, killed twice by SIGKILL with AutoResume and rerun:
+bitwise the uninterrupted run, which is bitwise stock fastai's (a real process that never imports the package)."""
+import random, subprocess
 import pytest, torch
 from forked import Forker
-from helpers import TESTS
+from helpers import PY, TESTS, kill_group
+from helpers import test_env as subprocess_env  # not a test
 import killrerun as kr
 
 SCRIPT = str(TESTS/'apps_script.py')
@@ -19,6 +21,29 @@ def data(tmp_path_factory):
     import apps_script
     return str(apps_script.digits_folder(tmp_path_factory.mktemp('digits')))
 
+@pytest.fixture(scope='module')
+def stock(request, data, tmp_path_factory):
+    "The apps of the selected tests run by stock fastai, without and with `--then`, in a real process of their own (started now)"
+    apps = [a for a in APPS if any(getattr(i, 'callspec', None) and i.callspec.params.get('app') == a and i.module is request.module
+                                   for i in request.session.items)]
+    out = tmp_path_factory.mktemp('stock')
+    log = open(out/'log', 'w')
+    p = subprocess.Popen([PY, SCRIPT, str(out), '--stock', '--data', data, '--apps', *apps], stdout=log, stderr=subprocess.STDOUT,
+                         env=subprocess_env(), start_new_session=True)
+    def result(app, then=False):
+        if p.returncode is None:
+            try: p.wait(300)
+            finally: kill_group(p)
+        assert p.returncode == 0, f"the stock run exited with {p.returncode}:\n{(out/'log').read_text()[-3000:]}"
+        return out/f"{app}{'-then'*then}.pth"
+    yield result
+    kill_group(p); log.close()
+
+def same_as_stock(stock_out, ref_out):
+    "Assert the uninterrupted run with AutoResume is bitwise stock fastai's, optimizer steps included"
+    d = kr.compare(stock_out, ref_out, keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters', 'steps'))
+    assert not d, f"AutoResume changed an uninterrupted run: {len(d)} differences from stock fastai, first:\n" + '\n'.join(d[:10])
+
 def resume_starts(ref)->set:
     "The indices in `ref` (the batches of an uninterrupted run) where a rerun can start: after every `EVERY`-th batch of a fit, and at each epoch"
     starts,n = set(),0
@@ -29,11 +54,13 @@ def resume_starts(ref)->set:
     return starts
 
 @pytest.mark.parametrize('app', APPS)
-def test_kill_and_rerun(forker, data, tmp_path, app):
-    "Killed at two seeded random batches and rerun: same weights, optimizer state and Recorder, resumed at the newest resume point, finished run untouched"
+def test_kill_and_rerun(forker, stock, data, tmp_path, app):
+    """Uninterrupted, bitwise stock fastai; killed at two seeded random batches and rerun: same weights, optimizer state and Recorder,
+    resumed at the newest resume point, finished run untouched"""
     args = [app, '--data', data]
     ref_out = tmp_path/'ref.pth'
     ref = kr.batches(kr.run_to_end(forker, SCRIPT, [ref_out, *args], cwd=tmp_path))
+    same_as_stock(stock(app), ref_out)
     rng = random.Random(app)
     kills = [rng.randint(EVERY+1, len(ref)//2) for _ in range(2)]  # each killed run saves a resume point
     out = tmp_path/'out.pth'
@@ -47,22 +74,15 @@ def test_kill_and_rerun(forker, data, tmp_path, app):
     assert len(trained[-2]) < len(ref), "the killed runs saved no resume point: nothing was resumed"
     assert torch.load(out, weights_only=True)['steps'] == 0, "the rerun after completion took optimizer steps"
 
-@pytest.mark.parametrize('app', ('tabular', 'collab'))
-def test_same_as_stock(forker, data, tmp_path, app):
-    "Without DataLoader workers, AutoResume changes no bit of an uninterrupted run"
-    a,b = tmp_path/'a.pth',tmp_path/'b.pth'
-    kr.run_to_end(forker, SCRIPT, [a, app, '--data', data], cwd=tmp_path)
-    kr.run_to_end(forker, SCRIPT, [b, app, '--data', data, '--no-resume'], cwd=tmp_path)
-    assert not kr.compare(a, b)
-
 @pytest.mark.parametrize('app', APPS)
-def test_kill_between_calls(forker, data, tmp_path, app):
+def test_kill_between_calls(forker, stock, data, tmp_path, app):
     """SIGKILL at the first batch of each later fit call (after the previous call's end is written, before this call's first
     resume point), rerun: the completed calls are skipped (their end state loaded), and the result is bitwise the uninterrupted
     run's (issue 28)"""
     args = [app, '--data', data, '--then']
     ref_out = tmp_path/'ref.pth'
     ref = kr.batches(kr.run_to_end(forker, SCRIPT, [ref_out, *args], cwd=tmp_path))
+    same_as_stock(stock(app, then=True), ref_out)
     for f in sorted({b[0] for b in ref} - {0}):
         out = tmp_path/f'out{f}.pth'
         trained,snaps = kr.kill_and_rerun(forker, SCRIPT, args, tmp_path/f'run{f}', out, [ref.index((f, 0, 0)) + 1])
