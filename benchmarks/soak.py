@@ -44,7 +44,9 @@ def main():
     import torch, warnings
     torch.set_num_threads(1)
     warnings.simplefilter('ignore')
-    from forked import Forker
+    from forked import Forker, StockForker
+    # stock fastai's runs first: their server must not inherit the package, which the Forker imports here
+    stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.text.all', 'sklearn.datasets', 'random_scripts'))
     forker = Forker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.text.all', 'resumable_train.all', 'sklearn.datasets'))
     import random_scripts as rs
     keep = Path(a.keep or tempfile.mkdtemp(prefix='soak-failed-'))
@@ -61,7 +63,7 @@ def main():
             if a.shapes: force['shape'] = rng.choice(a.shapes.split(','))
             if a.no_mixup: force['mixup'] = False
             folder = work/f'{seed}'
-            r = rs.run_case(forker, seed, folder, windows=windows, timeout=a.timeout, **force)
+            r = rs.run_case(forker, seed, folder, windows=windows, timeout=a.timeout, stock=stock, **force)
             r['elapsed'] = time.monotonic() - t0
             if r['outcome'] == 'failed':
                 dest = keep/f'{seed}'
@@ -74,7 +76,7 @@ def main():
             print(f"{r['outcome']:7} seed {seed:5} {r['cpu']:5.1f}s cpu | {r['desc'][:150]} | kills {kills}"
                   + (f"\n        {r['symptom']}" if r['symptom'] else ''), flush=True)
             seed += 1
-    finally: shutil.rmtree(work, ignore_errors=True)
+    finally: shutil.rmtree(work, ignore_errors=True); stock.close()
     report(cases, a, time.monotonic() - t0, keep)
 
 def report(cases, a, wall, keep, heads=None):
@@ -103,6 +105,12 @@ def report(cases, a, wall, keep, heads=None):
     table('shape', lambda c: [c['info']['shape']] + ['MixUp'] * c['info']['mixup'], list(SHAPES) + ['MixUp'])
     table('app', lambda c: [c['info']['app']], ['digits', 'text'])
     table('kill window (a case counts in each of its windows)', lambda c: [w for w,_ in c['kills']], WINDOWS)
+    # the uninterrupted run with AutoResume against the same script as stock fastai (a process that never imports the package)
+    lines.extend(["| shape: uninterrupted, AutoResume vs stock fastai | compared | bitwise equal | differs |", "|---|---|---|---|"])
+    for k in list(SHAPES) + ['MixUp', 'all']:
+        cs = [c for c in cases if c.get('stock') and (k == 'all' or k == c['info']['shape'] or k == 'MixUp' and c['info']['mixup'])]
+        lines.append(f"| {k} | {len(cs)} | {sum(c['stock'] == 'equal' for c in cs)} | {sum(c['stock'] == 'differs' for c in cs)} |")
+    lines.append('')
     failed = [c for c in cases if c['outcome'] == 'failed']
     groups = collections.OrderedDict()
     for c in failed: groups.setdefault(signature(c['symptom']), []).append(c)

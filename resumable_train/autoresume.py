@@ -668,7 +668,7 @@ class AutoResume(Callback):
             check_resumable(self.dls.train)
             check_callbacks(self.learn)
             if self.replay: allow_replay(self.dls.train)
-            keep_buffers(self.dls.train)  # a Hugging Face shuffle buffer keeps its content in its state
+            keep_buffers(self.dls.train, inside=bool(self.every_iter or self.every_secs))  # its content in its state
             # refuse, before the first batch, a loader that no run could continue inside an epoch
             if self.every_iter or self.every_secs: loader_kind(self.dls.train)
             self.run_state = self.learn.resume.run = self.current_run()  # a stage saved after this call belongs to it

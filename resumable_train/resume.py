@@ -166,7 +166,7 @@ def read_on_rank0(file, src:int=0, **kwargs)->dict:
     return share_checkpoint(state, src)
 
 # %% ../nbs/02a_resume.ipynb #a1f0c003
-import copy, functools, itertools, random, warnings, weakref
+import copy, functools, hashlib, inspect, itertools, random, warnings, weakref
 from functools import partial
 import numpy as np, torch
 from fastcore.basics import GetAttr
@@ -485,21 +485,77 @@ def _permute(self, rng, keep:int):
         yield buf[i]
     st.update(buffer=[buf[i] for i in idx[len(buf)-keep:]], rng=rng.bit_generator.state, yielded=None)
 
-def _kept_iter(self):
-    "`BufferShuffledExamplesIterable.__iter__` of `datasets`, with the buffer, the generator and the position in its state"
+def _start_kept(self, **fresh):
+    "The generator and the state of a kept buffer's iteration: new (`fresh`), or the source and generator its state holds"
     st,rng,src = self._state_dict,copy.deepcopy(self.generator),self.ex_iterable
-    if st['buffer'] is None: st.update(source=src._init_state_dict(), buffer=[], rng=rng.bit_generator.state, yielded=None, keep=0)
+    if st['buffer'] is None: st.update(source=src._init_state_dict(), buffer=[], rng=rng.bit_generator.state, **fresh)
     else: src.load_state_dict(st['source']); st['source'] = src._state_dict  # then it moves on in the state
     rng.bit_generator.state = st['rng']
+    return st,rng
+
+def _ipc(t)->torch.Tensor:
+    "Arrow table `t` as the bytes of an IPC stream (its schema, its chunks as they are): a plain tensor a resume point keeps"
+    import pyarrow as pa
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, t.schema) as w: w.write_table(t)
+    return torch.frombuffer(bytearray(sink.getvalue().to_pybytes()), dtype=torch.uint8)
+
+def _from_ipc(b:torch.Tensor):
+    import pyarrow as pa
+    return pa.ipc.open_stream(pa.py_buffer(b.numpy().tobytes())).read_all()
+
+class _Tables(list):
+    "A buffer of `(key, Arrow table)` pairs, copied into a state (`state_dict`) as plain values: each table as its IPC bytes"
+    def __deepcopy__(self, memo): return [(k, _ipc(t)) for k,t in self]
+    @classmethod
+    def of(cls, saved:list): return cls((k, t if not isinstance(t, torch.Tensor) else _from_ipc(t)) for k,t in saved)
+
+def _halves_arrow(self):
+    "`BufferShuffledExamplesIterable._iter_arrow` of `datasets` 5.2, with its tables, the generator and the source in its state"
+    import pyarrow as pa, pyarrow.compute as pc
+    st,rng = _start_kept(self)
+    buf = st['buffer'] = _Tables.of(st['buffer'])
+    n = sum(len(t) for _,t in buf)
+    for key,t in self.ex_iterable.iter_arrow():
+        buf.append((key, t)); n += len(t)
+        if n < self.buffer_size: continue
+        shuffled = pc.take(pa.concat_tables([t for _,t in buf]), rng.permutation(n))
+        n,rows = self.buffer_size // 2,n - self.buffer_size // 2  # half kept, the rest yielded
+        buf[:] = [(key, shuffled.slice(rows))]
+        st['rng'] = rng.bit_generator.state
+        yield key, shuffled.slice(0, rows)
+    if n:
+        last,table = buf[-1][0],pa.concat_tables([t for _,t in buf])
+        buf.clear()  # nothing left: a state taken now resumes after the end
+        yield last, pc.take(table, rng.permutation(n))
+
+
+
+def _halves_iter(self):
+    "`BufferShuffledExamplesIterable.__iter__` of `datasets` 5.2, with the buffer, the generator and the position in its state"
+    st,rng = _start_kept(self, yielded=None, keep=0)
     if st['yielded'] is not None: yield from _permute(self, rng, st['keep'])
     for x in self.ex_iterable:
         st['buffer'].append(x)
         if len(st['buffer']) >= self.buffer_size: yield from _permute(self, rng, self.buffer_size // 2)
     if st['buffer']: yield from _permute(self, rng, 0)
 
+# the algorithms of `datasets`' buffer this package keeps, by the sha256 of its `__iter__` and `_iter_arrow` (first 12 digits): their
+# kept versions and the fields of their state besides the source's. 5.2's yields half the buffer, permuted, each time it is full; the
+# buffers of 3.x and 4.x draw one index per example, and a worker's state loads otherwise there: not kept (yet), so refused
+_BUFFERS = {('f112a0f5c5ef', '42c54c91eb69'): (_halves_iter, _halves_arrow, ('yielded', 'keep'))}
+
+def _digest(f)->str|None: return None if f is None else hashlib.sha256(inspect.getsource(f).encode()).hexdigest()[:12]
+
+@functools.cache
+def _buffer_kind()->tuple|None:
+    "The kept algorithms (python, Arrow) of the installed `datasets`' buffer and their state's fields; `None` for one not known here"
+    from datasets.iterable_dataset import BufferShuffledExamplesIterable as B
+    return _BUFFERS.get((_digest(B.__iter__), _digest(vars(B).get('_iter_arrow'))))
+
 def _kept_init(self)->dict:
     # `None`s, not the source's state and an empty list: `datasets`' `load_state_dict` merges loaded lists item by item
-    self._state_dict = dict(source=None, buffer=None, rng=None, yielded=None, keep=0)
+    self._state_dict = dict(source=None, buffer=None, rng=None, **dict.fromkeys(_buffer_kind()[2]))
     return self._state_dict
 
 def _kept(o):
@@ -515,8 +571,9 @@ def _kept_class():
     from datasets.iterable_dataset import BufferShuffledExamplesIterable as B
     over = lambda m: lambda self, *a, **kw: _kept(getattr(B, m)(self, *a, **kw))
     return type('KeptBufferShuffledExamplesIterable', (B,), dict(
-        __iter__=_kept_iter, _init_state_dict=_kept_init, load_state_dict=B.__base__.load_state_dict,
-        iter_arrow=None, __reduce__=lambda self: (_new_kept, (), self.__dict__), __module__=__name__,
+        __iter__=_buffer_kind()[0], _init_state_dict=_kept_init, load_state_dict=B.__base__.load_state_dict,
+        **({'_iter_arrow': _buffer_kind()[1]} if _buffer_kind()[1] else {}),
+        __reduce__=lambda self: (_new_kept, (), self.__dict__), __module__=__name__,
         **{m: over(m) for m in ('shift_rngs', 'shuffle_data_sources', 'shard_data_sources', 'reshard_data_sources')}))
 
 def _hf_datasets(ds)->list:
@@ -528,7 +585,7 @@ def _buffers(hf):
     "The shuffle buffers in the pipeline of `hf`, a Hugging Face `IterableDataset`, with what holds each"
     o,name = hf,'_ex_iterable'
     while (ex := getattr(o, name, None)) is not None:
-        if isinstance(ex, _kept_class().__base__): yield o,name,ex
+        if 'datasets.iterable_dataset.BufferShuffledExamplesIterable' in _names(ex): yield o,name,ex
         o,name = ex,'ex_iterable'
 
 _NOT_PLAIN = ('binary', 'large_binary', 'timestamp', 'date', 'time', 'duration', 'decimal')
@@ -548,10 +605,18 @@ def reshards(dl, world:int)->bool:
     hfs = _hf_datasets(getattr(loader_of(dl), 'dataset', None))
     return bool(hfs) and all(getattr(o, '_distributed', None) is not None and o._ex_iterable.num_shards >= world for o in hfs)
 
-def keep_buffers(dl):
+def keep_buffers(dl, inside:bool=True): # resume points inside an epoch are asked for (else a buffer this package cannot keep stays)
     "Make each Hugging Face shuffle buffer of `dl`'s dataset keep its content in its `state_dict`; refuse one that cannot"
     for hf in _hf_datasets(getattr(dl, 'dataset', None)):
         for o,name,ex in _buffers(hf):
+            if _buffer_kind() is None and not inside: continue  # an epoch's end needs no buffer; a stop by a signal is refused then
+            if _buffer_kind() is None:
+                import datasets
+                _refuse(f"a {type(dl).__name__} over a Hugging Face IterableDataset shuffled with a buffer (datasets "
+                        f"{datasets.__version__})", "this datasets' shuffle buffer draws in a way resumable_train does not know "
+                        "(it keeps the buffer of datasets 5.2, drawing as it draws): install datasets 5.2, or "
+                        "use a PyTorch DataLoader and `AutoResume(replay=True)`", True)
+
             if bad := _not_plain(ex.features or hf.features):
                 _refuse(f"a {type(dl).__name__} over a Hugging Face IterableDataset shuffled with a buffer of "
                         f"{ex.buffer_size:,} examples", f"the buffer's content, which its state_dict leaves out, cannot be kept "

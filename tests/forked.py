@@ -9,7 +9,7 @@ signal, as Popen reports it).
 
 Fork only from a process that has not trained anything (no OpenMP threads started): the test process only imports.
 """
-import atexit, io, os, runpy, signal, subprocess, sys, threading, time, traceback, warnings
+import atexit, io, json, os, queue, runpy, signal, subprocess, sys, tempfile, threading, time, traceback, warnings
 
 class ForkedChild:
     "A forked child running a script; the subset of `subprocess.Popen` the tests use"
@@ -128,3 +128,65 @@ class Forker:
         try: out,_ = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired: return -signal.SIGKILL, f'[forked] killed after {timeout}s timeout'
         return p.returncode, out
+
+class StockForker:
+    """`Forker.run` from a process of its own that imported `modules` and never the package: stock fastai's runs (a child that imports
+    the package fails), without paying for `import fastai` each time. One run at a time"""
+    def __init__(self, modules=('fastai.basics', 'fastai.callback.all'), timeout=120):
+        from helpers import test_env
+        self.p = subprocess.Popen([sys.executable, __file__, *modules], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  env=test_env(), start_new_session=True)
+        self.lines = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(l) for l in self.p.stdout], daemon=True).start()
+        assert self._line(timeout) == 'READY', "the stock server did not start"
+
+    def _line(self, timeout)->str:
+        try: return self.lines.get(timeout=timeout).strip()
+        except queue.Empty: raise subprocess.TimeoutExpired('stock server', timeout) from None
+
+    def run(self, script, *args, timeout, env=None, cwd=None):
+        "Run `script` to its end in a child of the stock server (killed after `timeout` seconds); returns `(returncode, output)`"
+        log = os.path.join(tempfile.mkdtemp(), 'out')
+        req = dict(script=str(script), args=list(map(str, args)), env=env or {}, cwd=str(cwd) if cwd else None, log=log)
+        self.p.stdin.write(json.dumps(req) + '\n'); self.p.stdin.flush()
+        pid = int(self._line(30))
+        try: rc = int(self._line(timeout))
+        except subprocess.TimeoutExpired:
+            os.killpg(pid, signal.SIGKILL)
+            rc = int(self._line(30))
+        finally:
+            try: os.killpg(pid, signal.SIGKILL)  # workers the child left behind
+            except (ProcessLookupError, PermissionError): pass
+        with open(log) as f: return rc, f.read()
+
+    def close(self):
+        try: os.killpg(self.p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError): pass
+        self.p.wait(10)
+
+def _serve(modules):
+    "The stock server: import `modules`, then for each request line fork a child that runs it; print its pid, then its return code"
+    import gc, importlib
+    for m in modules: importlib.import_module(m)
+    gc.freeze()
+    out = sys.stdout
+    print('READY', file=out, flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        w = os.open(req['log'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        pid = os.fork()
+        if pid == 0: _child(req['script'], req['args'], req['env'], req['cwd'], w)
+        os.close(w)
+        print(pid, file=out, flush=True)
+        _,st = os.waitpid(pid, 0)
+        print(-os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st), file=out, flush=True)
+
+class _NoPackage:
+    "In a stock child: importing the package fails"
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'resumable_train': raise ImportError("a stock fastai run (StockForker) imported resumable_train")
+
+if __name__ == '__main__':
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.meta_path.insert(0, _NoPackage())
+    _serve(sys.argv[1:])

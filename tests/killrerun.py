@@ -23,17 +23,17 @@ class Report(Callback):
         print('BATCH', self.learn.n_fit, self.epoch, self.iter, flush=True)
         if os.environ.get('KILLRERUN_SLEEP'): time.sleep(float(os.environ['KILLRERUN_SLEEP']))
 
-def _plain(o):
+def plain(o):
     "`o` as `torch.load(weights_only=True)` reads it, without the package (a stock run's script imports none of it)"
     if isinstance(o, torch.Tensor): return o.detach().cpu().as_subclass(torch.Tensor)
-    if isinstance(o, dict): return {k: _plain(v) for k,v in o.items()}
-    if isinstance(o, (list, tuple)) or type(o).__name__ == 'L': return [_plain(v) for v in o]
+    if isinstance(o, dict): return {k: plain(v) for k,v in o.items()}
+    if isinstance(o, (list, tuple)) or type(o).__name__ == 'L': return [plain(v) for v in o]
     return o.item() if isinstance(o, np.generic) else o
 
 def save_result(learn, out):
     "Save what `compare` checks: weights, optimizer state, `Recorder` history, step count"
     rec = learn.recorder
-    torch.save(_plain(dict(model=learn.model.state_dict(), opt=learn.opt.state_dict(), values=rec.values, losses=rec.losses,
+    torch.save(plain(dict(model=learn.model.state_dict(), opt=learn.opt.state_dict(), values=rec.values, losses=rec.losses,
                              lrs=rec.lrs, iters=rec.iters, steps=getattr(learn, 'steps', 0))), out)
 
 def batches(lines)->list:
@@ -79,6 +79,11 @@ def compare(ref, got, keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters'))
     "Where two results of `save_result` differ, bitwise (`torch.equal`); `[]` when identical"
     a,b = torch.load(ref, weights_only=True),torch.load(got, weights_only=True)
     return [d for k in keys for d in diff_values(a[k], b[k], k)]
+
+def same_as_stock(stock_out, ref_out):
+    "Assert the uninterrupted run with AutoResume (`ref_out`) is bitwise stock fastai's (`stock_out`), optimizer steps included"
+    d = compare(stock_out, ref_out, keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters', 'steps'))
+    assert not d, f"AutoResume changed an uninterrupted run: {len(d)} differences from stock fastai, first:\n" + '\n'.join(d[:10])
 
 def kill_and_rerun(forker, script, args, folder, out, kills, timeout=120, env=None):
     """Run `script args` in `folder` killed by SIGKILL after each number of batches in `kills` (counted in that run), then to its end,

@@ -123,13 +123,13 @@ class Probe(Callback):
 
 def save_results(out, *learners):
     "What the comparison checks, for each Learner: weights, optimizer state, Recorder; and this process's optimizer steps"
-    from resumable_train.state import to_plain
+    from killrerun import plain
     res = []
     for l in learners:
         r = l.recorder
         res.append(dict(model=l.model.state_dict(), opt=l.opt.state_dict() if l.opt is not None else None, values=r.values,
                         losses=r.losses, lrs=r.lrs, iters=r.iters))
-    torch.save(to_plain(dict(learners=res, steps=_state()['steps'])), out)
+    torch.save(plain(dict(learners=res, steps=_state()['steps'])), out)
     _say('DONE')
 
 # ---------------------------------------------------------------- the generator
@@ -144,10 +144,10 @@ import torch
 from torch import nn
 from fastai.basics import *
 from fastai.callback.all import *
-from resumable_train.autoresume import AutoResume
 from random_scripts import Probe, save_results
 
-out,resume = sys.argv[1],'--plain' not in sys.argv  # --plain: stock fastai, without AutoResume
+out,resume = sys.argv[1],'--plain' not in sys.argv  # --plain: stock fastai, without the package
+if resume: from resumable_train.autoresume import AutoResume
 path = Path('.')
 defaults.callbacks = [TrainEvalCallback, Recorder]  # no progress bars
 set_seed({seed}, reproducible=True)
@@ -371,15 +371,16 @@ def _ended(rc, lines, what):
     if (n := len(batches(lines))): raise Outcome('failed', f'{what}: exited {rc} after training {n} batches: {_last(lines)}')
     raise Outcome('refused', f'{what}: {_last(lines)}')
 
-def run_case(forker, seed, folder, windows=None, timeout=120, plain=True, kills=None, **force)->dict:
-    """Generate script `seed`, run it uninterrupted (with `AutoResume`; without it too when `plain`), kill it at one or two points,
+def run_case(forker, seed, folder, windows=None, timeout=120, stock=None, kills=None, **force)->dict:
+    """Generate script `seed`, run it uninterrupted (with `AutoResume`; with `stock`, a `forked.StockForker`, also as stock fastai in
+    a process that never imports the package), kill it at one or two points,
     rerun it to the end and once more; return a dict: `outcome`, `symptom`, `kills`, `info`, `cpu` (children's CPU seconds).
     `kills`: `(window, spec)` pairs to use instead of drawing them (to reproduce a case)"""
     folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
     text,info = make_script(seed, **force)
     script = folder/'script.py'
     script.write_text(text)
-    res = dict(seed=seed, info=info, desc=describe(info), kills=[], outcome=None, symptom='', runs=0)
+    res = dict(seed=seed, info=info, desc=describe(info), kills=[], outcome=None, symptom='', runs=0, stock=None)
     cpu0,t0 = resource.getrusage(resource.RUSAGE_CHILDREN),time.monotonic()
     def run(name, cwd, out, *args, env=None):
         res['runs'] += 1
@@ -391,15 +392,20 @@ def run_case(forker, seed, folder, windows=None, timeout=120, plain=True, kills=
         rc,ref_lines = run('reference', folder/'ref', ref)
         if rc != 0: _ended(rc, ref_lines, 'the uninterrupted run')
         events,ref_b = parse(ref_lines),batches(ref_lines)
-        if plain:
+        if stock is not None:
             plain_out = folder/'plain.pth'
-            rc,lines = run('plain', folder/'plain', plain_out, '--plain')
+            (folder/'plain').mkdir()
+            rc,out_text = stock.run(str(script), plain_out, '--plain', timeout=timeout, cwd=folder/'plain')
+            lines = out_text.splitlines(keepends=True)
+            (folder/'stock.log').write_text(f"rc={rc}\n{out_text}")
+            res['stock'] = 'differs'  # until it is seen equal
             if rc != 0: raise Outcome('failed', f'stock fastai (--plain) exited {rc}: {_trace(lines) or _last(lines)}')
             d = _diffs(plain_out, ref)
             if batches(lines) != ref_b or _steps(plain_out) != _steps(ref):
                 raise Outcome('failed', f'uninterrupted run with AutoResume trained {len(ref_b)} batches ({_steps(ref)} steps), '
                                         f'stock fastai {len(batches(lines))} ({_steps(plain_out)} steps)')
             if d: raise Outcome('failed', f'uninterrupted run with AutoResume differs from stock fastai: {d[0]}')
+            res['stock'] = 'equal'
         kills = kills or choose_kills(events, random.Random(seed * 7919 + 1), info['every_iter'], windows)
         res['kills'] = kills
         run_dir,trained = folder/'run',[]

@@ -1,8 +1,10 @@
 """Train on a stream or a stateful loader with `AutoResume(every_iter=3)`, for `killrerun` (issue 19).
 
 `python stream_script.py OUT SOURCE [--no-replay]`, run in the run's folder: SOURCE is one of `SOURCES`.
+`python stream_script.py OUTDIR --stock --sources SOURCE...` trains each source as stock fastai (the package never imported), one after
+the other in `OUTDIR/SOURCE`, and saves `OUTDIR/SOURCE.pth`.
 """
-import argparse, random, warnings
+import argparse, random, sys, warnings
 import numpy as np
 from pathlib import Path
 import torch
@@ -10,7 +12,6 @@ from torch import nn
 from torch.utils.data import DataLoader as TorchDL, Dataset, IterableDataset, get_worker_info
 from fastai.basics import *
 from fastai.callback.all import *
-from resumable_train.autoresume import AutoResume
 from killrerun import Report, save_result
 from helpers import Sized
 warnings.filterwarnings('ignore', message="'set_vital' is deprecated")
@@ -151,17 +152,28 @@ def persistent(a): return DataLoaders(TorchDL(Points(N), batch_size=BS, shuffle=
 SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, hf_buffer=hf_buffer, gen=gen, fastai_state=fastai_state, fastai_gen=fastai_gen, gen_buffer=gen_buffer, gen_workers=gen_workers, fastai_buffer=fastai_buffer, wds=wds_loader, wds_unseeded=wds_unseeded, persistent=persistent)
 REPLAY = ('hf_replay', 'gen', 'fastai_gen', 'gen_buffer', 'gen_workers', 'fastai_buffer', 'wds', 'wds_unseeded')  # resumed by replaying the stream (`AutoResume(replay=True)`)
 
+def run(a, out, source, path, cbs=()):
+    "Train on `source` in `path`, with `Report` and `cbs`; save the result to `out`"
+    set_seed(11, reproducible=True)
+    dls,own = SOURCES[source](a)
+    model = nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=mae, path=Path(path).absolute(), cbs=own)
+    learn.add_cbs([Report(), *cbs])
+    with learn.no_bar(): learn.fit_one_cycle(3, 1e-2)
+    save_result(learn, out)
+
 if __name__ == '__main__':
     p = argparse.ArgumentParser()
     p.add_argument('out')
-    p.add_argument('source', choices=list(SOURCES))
+    p.add_argument('source', nargs='?', choices=list(SOURCES))
     p.add_argument('--no-replay', action='store_true', help='without the replay opt-in')
+    p.add_argument('--stock', action='store_true', help='the --sources, as stock fastai (the package never imported)')
+    p.add_argument('--sources', nargs='*', default=[], help='with --stock: the sources to train on')
     a = p.parse_args()
-    set_seed(11, reproducible=True)
-    dls,cbs = SOURCES[a.source](a)
-    model = nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
-    learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=mae, path=Path('.').absolute(), cbs=cbs)
-    learn.add_cbs([Report(), AutoResume(every_iter=3, verbose=True, replay=a.source in REPLAY and not a.no_replay)])
-    with learn.no_bar(): learn.fit_one_cycle(3, 1e-2)
-    save_result(learn, a.out)
+    if a.stock:
+        for source in a.sources: run(a, Path(a.out)/f'{source}.pth', source, Path(a.out)/source)
+        assert not any(m.startswith('resumable_train') for m in sys.modules), "the stock run imported the package"
+    else:
+        from resumable_train.autoresume import AutoResume
+        run(a, a.out, a.source, '.', [AutoResume(every_iter=3, verbose=True, replay=a.source in REPLAY and not a.no_replay)])
     print('DONE', flush=True)

@@ -39,11 +39,6 @@ def stock(request, data, tmp_path_factory):
     yield result
     kill_group(p); log.close()
 
-def same_as_stock(stock_out, ref_out):
-    "Assert the uninterrupted run with AutoResume is bitwise stock fastai's, optimizer steps included"
-    d = kr.compare(stock_out, ref_out, keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters', 'steps'))
-    assert not d, f"AutoResume changed an uninterrupted run: {len(d)} differences from stock fastai, first:\n" + '\n'.join(d[:10])
-
 def resume_starts(ref)->set:
     "The indices in `ref` (the batches of an uninterrupted run) where a rerun can start: after every `EVERY`-th batch of a fit, and at each epoch"
     starts,n = set(),0
@@ -60,7 +55,7 @@ def test_kill_and_rerun(forker, stock, data, tmp_path, app):
     args = [app, '--data', data]
     ref_out = tmp_path/'ref.pth'
     ref = kr.batches(kr.run_to_end(forker, SCRIPT, [ref_out, *args], cwd=tmp_path))
-    same_as_stock(stock(app), ref_out)
+    kr.same_as_stock(stock(app), ref_out)
     rng = random.Random(app)
     kills = [rng.randint(EVERY+1, len(ref)//2) for _ in range(2)]  # each killed run saves a resume point
     out = tmp_path/'out.pth'
@@ -82,7 +77,7 @@ def test_kill_between_calls(forker, stock, data, tmp_path, app):
     args = [app, '--data', data, '--then']
     ref_out = tmp_path/'ref.pth'
     ref = kr.batches(kr.run_to_end(forker, SCRIPT, [ref_out, *args], cwd=tmp_path))
-    same_as_stock(stock(app, then=True), ref_out)
+    kr.same_as_stock(stock(app, then=True), ref_out)
     for f in sorted({b[0] for b in ref} - {0}):
         out = tmp_path/f'out{f}.pth'
         trained,snaps = kr.kill_and_rerun(forker, SCRIPT, args, tmp_path/f'run{f}', out, [ref.index((f, 0, 0)) + 1])

@@ -8,7 +8,7 @@ gradients), two Learners in one folder, `AutoResume` per fit call, a cached stag
 skipped call."""
 import random
 import pytest
-from forked import Forker
+from forked import Forker, StockForker
 import random_scripts as rs
 
 @pytest.fixture(scope='module')
@@ -16,6 +16,13 @@ def forker():
     import torch
     torch.set_num_threads(1)
     return Forker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.text.all', 'resumable_train.all', 'sklearn.datasets'))
+
+@pytest.fixture(scope='module')
+def stock():
+    "The scripts' stock fastai runs (`--plain`): children of a process that never imports the package"
+    s = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.text.all', 'sklearn.datasets', 'random_scripts'))
+    yield s
+    s.close()
 
 # (seed, what make_script is forced to, kill windows); background writes off so that each case is deterministic
 CASES = [
@@ -38,9 +45,9 @@ CASES = [
 ]
 
 @pytest.mark.parametrize('seed,force,windows', CASES)
-def test_random_script(forker, tmp_path, seed, force, windows):
+def test_random_script(forker, stock, tmp_path, seed, force, windows):
     "Bitwise equal to the uninterrupted run (and to stock fastai), or refused before training; a rerun after the end trains nothing"
-    r = rs.run_case(forker, seed, tmp_path, windows=windows, timeout=120, background=False, **force)
+    r = rs.run_case(forker, seed, tmp_path, windows=windows, timeout=120, stock=stock, background=False, **force)
     assert r['outcome'] in ('passed', 'refused'), f"script {seed} ({r['desc']}), kills {r['kills']}: {r['symptom']}"
     assert [w for w,_ in r['kills']] == windows, f"the kill windows drawn: {r['kills']}"
 

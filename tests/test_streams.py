@@ -1,13 +1,19 @@
-"Streams and stateful loaders (issue 19), killed twice by SIGKILL with AutoResume and rerun: bitwise the uninterrupted run; a stream without the replay opt-in is refused before its first batch."
-import random
+"""Streams and stateful loaders (issue 19), killed twice by SIGKILL with AutoResume and rerun: bitwise the uninterrupted run, which is
+stock fastai's where the package keeps the draws (a real process that never imports the package); a stream without the replay opt-in
+is refused before its first batch."""
+import random, subprocess
 import pytest, torch
 from forked import Forker
-from helpers import TESTS
+from helpers import PY, TESTS, kill_group
+from helpers import test_env as subprocess_env  # not a test
 import killrerun as kr
 
 SCRIPT = str(TESTS/'stream_script.py')
 SOURCES = ('sdl_map', 'sdl_noisy', 'sdl_iter', 'hf_state', 'hf_replay', 'hf_buffer', 'gen', 'fastai_state', 'fastai_gen', 'gen_buffer', 'gen_workers', 'fastai_buffer', 'wds')
 EVERY = 3  # stream_script.py's AutoResume(every_iter=3)
+# Not compared with stock fastai: the replays (`AutoResume(replay=True)`, an opt-in whose streams draw apart from the training's), and
+# torchdata's StatefulDataLoader over a map-style dataset drawing in its workers (`sdl_noisy`), whose batches `SeedBatches` seeds
+NOT_STOCK = ('hf_replay', 'gen', 'fastai_gen', 'gen_buffer', 'gen_workers', 'fastai_buffer', 'wds', 'sdl_noisy')
 
 @pytest.fixture(scope='module')
 def forker():
@@ -15,11 +21,29 @@ def forker():
     return Forker(('fastai.basics', 'fastai.callback.all', 'resumable_train', 'resumable_train.autoresume', 'torchdata.stateful_dataloader',
                    'datasets', 'webdataset', 'stream_script'))
 
+@pytest.fixture(scope='module')
+def stock(tmp_path_factory):
+    "The sources compared with stock fastai, trained by it in a real process of its own (started now, waited for when needed)"
+    out = tmp_path_factory.mktemp('stock')
+    log = open(out/'log', 'w')
+    p = subprocess.Popen([PY, SCRIPT, str(out), '--stock', '--sources', *[s for s in SOURCES if s not in NOT_STOCK]], stdout=log,
+                         stderr=subprocess.STDOUT, env=subprocess_env(), start_new_session=True)
+    def result(source):
+        if p.returncode is None:
+            try: p.wait(300)
+            finally: kill_group(p)
+        assert p.returncode == 0, f"the stock run exited with {p.returncode}:\n{(out/'log').read_text()[-3000:]}"
+        return out/f'{source}.pth'
+    yield result
+    kill_group(p); log.close()
+
 @pytest.mark.parametrize('source', SOURCES)
-def test_kill_and_rerun(forker, tmp_path, source):
-    "Killed at two seeded random batches and rerun: same weights, optimizer state and Recorder; a finished run is left untouched"
+def test_kill_and_rerun(forker, stock, tmp_path, source):
+    """Uninterrupted, bitwise stock fastai (but for `NOT_STOCK`); killed at two seeded random batches and rerun: same weights, optimizer
+    state and Recorder; a finished run is left untouched"""
     ref_out = tmp_path/'ref.pth'
     ref = kr.batches(kr.run_to_end(forker, SCRIPT, [ref_out, source], cwd=tmp_path))
+    if source not in NOT_STOCK: kr.same_as_stock(stock(source), ref_out)
     rng = random.Random(source)
     kills = [rng.choice([EVERY+1, EVERY+2]), rng.randint(EVERY+1, len(ref)//2)]  # the first rerun starts at batch 3 of the first epoch
     out = tmp_path/'out.pth'
