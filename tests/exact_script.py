@@ -83,6 +83,8 @@ def build(cfg, path):
                  astats=lambda: ActivationStats(with_hist=True))
     cbs += [known[n]() for n in c['cbs']]
     if c['seed_batches']: cbs.append(SeedBatches())
+    # saving by hand inside an epoch of a loader with workers: their streams kept with the batches, as the refusal without it says
+    elif c['workers'] and c.get('streams', True) and not STOCK: cbs.append(WorkerStreams())
     kw = dict(splitter=lambda m: [list(m[0].parameters()), list(m[3].parameters())]) if c.get('two_groups') else {}
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=cbs, **kw)
     learn.recorder.train_metrics = c['train_metrics']

@@ -40,10 +40,12 @@ CONFIGS.update({
     'tfm_workers2': (dict(workers=2, tfm=True, seed_batches=True), [(1,0), (1,3), (2,N_ITER-1)]),
     'tfm_workers0': (dict(tfm=True, seed_batches=True), [(1,3)]),
     'seedbatches_no_tfm': (dict(seed_batches=True), []),  # SeedBatches without item randomness changes nothing (vs stock)
-    'tfm_workers2_noseed': (dict(workers=2, tfm=True), []),  # random item tfm in workers, package imported, never resumed
+    'tfm_workers2_streams': (dict(workers=2, tfm=True), [(0,1), (1,0), (1,3), (2,N_ITER-1)]),  # WorkerStreams: stock's draws kept
+    'tfm_workers2_noseed': (dict(workers=2, tfm=True, streams=False), []),  # random item tfm in workers, package imported, no callback
 })
 # Configurations whose uninterrupted run must be bit-identical with and without the package imported
-STOCK_COMPAT = [*SCHEDS, 'ga', 'csv', 'astats', 'train_metrics_bar', 'drop_last', 'workers2', 'tfm_workers2_noseed']
+STOCK_COMPAT = [*SCHEDS, 'ga', 'csv', 'astats', 'train_metrics_bar', 'drop_last', 'workers2', 'tfm_workers2_streams',
+                'tfm_workers2_noseed']
 STOCK_SAME_AS = {'seedbatches_no_tfm': 'fit_one_cycle'}  # (package run, stock run of this config)
 ERR_CFG,ERR_AT = 'fit_one_cycle',(1,3)
 SETUPS = {'n_epoch': dict(n_epoch=4), 'bs': dict(bs=6), 'n_items': dict(n_train=44), 'n_iter': dict(n_train=46, drop_last=True)}
