@@ -45,7 +45,7 @@ def main():
     torch.set_num_threads(1)
     warnings.simplefilter('ignore')
     from forked import Forker, StockForker
-    # stock fastai's runs first: their server must not inherit the package, which the Forker imports here
+    # stock fastai's runs: a process of their own, which never imports the package
     stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.text.all', 'sklearn.datasets', 'random_scripts'))
     forker = Forker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.text.all', 'resumable_train.all', 'sklearn.datasets'))
     import random_scripts as rs

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from fastai.basics import *
 from fastai.callback.all import *
-from resumable_train.autoresume import AutoResume
 from killrerun import Report, save_result
 
 p = argparse.ArgumentParser()
@@ -29,7 +28,7 @@ p.add_argument('--tfms', default='noise,scale', help='the item transforms, in or
 p.add_argument('--workers', type=int, default=0)
 p.add_argument('--counter', action='store_true', help="add a callback of the user's that counts batches, with no state_dict")
 p.add_argument('--stream', action='store_true', help='train on a plain iterable dataset (refused: no run could continue it)')
-p.add_argument('--no-resume', action='store_true', help='stock fastai: no AutoResume')
+p.add_argument('--no-resume', action='store_true', help='stock fastai: the package never imported')
 a = p.parse_args()
 
 def noise(t):
@@ -56,6 +55,7 @@ if a.stream: dls = DataLoaders(TfmdDL(Stream(items[:72]), bs=8), TfmdDL(items[72
 else: dls = DataLoaders.from_dsets(items[:72], items[72:], bs=8, after_item=tfms, num_workers=a.workers, device='cpu')
 losses = dict(mse=lambda p,y: F.mse_loss(p.view(-1), y.view(-1)), l1=lambda p,y: F.l1_loss(p.view(-1), y.view(-1)))
 
+if not a.no_resume: from resumable_train.autoresume import AutoResume
 def ar(): return [] if a.no_resume else [AutoResume(every_iter=a.every, verbose=False)]
 
 def learner(seed=None):

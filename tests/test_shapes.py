@@ -8,7 +8,7 @@ Every run is a child forked by `forked.Forker` from this process (fastai importe
 import signal
 from pathlib import Path
 import pytest, torch
-from forked import Forker
+from forked import Forker, StockForker
 from helpers import TESTS, diff_values
 from killrerun import run_until, run_to_end, batches, compare, kill_and_rerun, check_kill_and_rerun
 
@@ -16,24 +16,32 @@ SCRIPT = str(TESTS/'shapes_script.py')
 PER_CALL = 18  # 2 epochs of 9 batches
 
 @pytest.fixture(scope='module')
+def stock():
+    "Stock fastai's runs of the shapes: children of a process that never imports the package"
+    s = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'killrerun'))
+    yield s
+    s.close()
+
+@pytest.fixture(scope='module')
 def forker(): return Forker()
 
-def reference(forker, tmp_path, args):
+def reference(forker, stock, tmp_path, args):
     "The uninterrupted run of the shape, with `AutoResume`, and stock fastai's: the same bits; returns its batches and result"
     (tmp_path/'ref').mkdir(); (tmp_path/'stock').mkdir()
     ref = batches(run_to_end(forker, SCRIPT, [tmp_path/'ref.pth', *args], cwd=tmp_path/'ref'))
-    run_to_end(forker, SCRIPT, [tmp_path/'stock.pth', *args, '--no-resume'], cwd=tmp_path/'stock')
+    rc,out = stock.run(SCRIPT, tmp_path/'stock.pth', *args, '--no-resume', timeout=120, cwd=tmp_path/'stock')
+    assert rc == 0, f"stock fastai exited {rc}:\n{out[-3000:]}"
     d = compare(tmp_path/'stock.pth', tmp_path/'ref.pth')
     assert not d, f"AutoResume changed the uninterrupted run: {d[:5]}"
     assert len(ref) == 2*PER_CALL, f"{len(ref)} batches trained, not {2*PER_CALL}: a fit call trained nothing"
     return ref
 
 @pytest.mark.parametrize('shape', ['two-learners', 'per-call', 'cached', 'export', 'mixup'])
-def test_shape_killed_and_rerun(forker, tmp_path, shape):
+def test_shape_killed_and_rerun(forker, stock, tmp_path, shape):
     """Each shape trains both calls uninterrupted; killed in the second call (before its first resume point, and again after it) and
     rerun, it ends bitwise like the uninterrupted run; a rerun after the end trains nothing"""
     args = ['--shape', shape]
-    ref = reference(forker, tmp_path, args)
+    ref = reference(forker, stock, tmp_path, args)
     out = tmp_path/'out.pth'
     trained,snaps = kill_and_rerun(forker, SCRIPT, args, tmp_path/'run', out, kills=[PER_CALL+2, 4])
     check_kill_and_rerun(ref, trained, snaps, tmp_path/'ref.pth', out)
@@ -42,10 +50,10 @@ def test_shape_killed_and_rerun(forker, tmp_path, shape):
         d = compare(tmp_path/'ref.pth.first', Path(f'{out}.first'))
         assert not d, f"the first Learner differs: {d[:5]}"
 
-def test_cached_stage_killed_between_calls(forker, tmp_path):
+def test_cached_stage_killed_between_calls(forker, stock, tmp_path):
     "A cached stage, killed right after the first call's end (the cache written, no resume point of the second call): exact"
     args = ['--shape', 'cached', '--every', '5']
-    ref = reference(forker, tmp_path, args)
+    ref = reference(forker, stock, tmp_path, args)
     out = tmp_path/'out.pth'
     trained,snaps = kill_and_rerun(forker, SCRIPT, args, tmp_path/'run', out, kills=[PER_CALL+1])
     check_kill_and_rerun(ref, trained, snaps, tmp_path/'ref.pth', out)
