@@ -239,8 +239,16 @@ def autoresume_smc(d):
     learn.fit_one_cycle(2)
     return learn, dict(between=between)
 
+def autoresume_ft(d):
+    "`fine_tune` beside SaveModelCallback and EarlyStoppingCallback; the package side with `AutoResume`"
+    cbs = [SaveModelCallback(), EarlyStoppingCallback(patience=1)] + ([] if STOCK else [AutoResume()])
+    learn = make_learner(d, cbs=cbs, splitter=two_groups)
+    learn.fine_tune(3, freeze_epochs=1)
+    return learn, {}
+
 JOBS = {f.__name__: f for f in (course, freezeload, foreign, wdchange, xproc_a, xproc_b, bestfile_a, bestfile_b, strict, withoptnone,
-                                 persistent, midsave, export, startepoch_onecycle, startepoch_flatcos, lrfind, autoresume_smc)}
+                                 persistent, midsave, export, startepoch_onecycle, startepoch_flatcos, lrfind, autoresume_smc,
+                                 autoresume_ft)}
 
 # What python hides from a user by default (fastai's `load_model` raises numpy's DeprecationWarning for `np.core` at every load)
 HIDDEN = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)

@@ -2,8 +2,8 @@
 
 Each workflow of `invisible_script.py` (one row of the issue each) runs twice: in a real process that never imports the package
 (`--stock`), and in children forked from the test process, which imported it (see forked.py). The two sides run at the same time.
-Jobs `X_b` need the files of `X_a` and run in a second process of each side; `autoresume_smc` (the package side with `AutoResume`)
-runs alone on the package side, then twice more, as a finished script run again: those reruns train nothing and end as stock did.
+Jobs `X_b` need the files of `X_a` and run in a second process of each side; the `AUTORESUME` jobs (the package side with `AutoResume`)
+run alone on the package side, then twice more, as finished scripts run again: those reruns train nothing and end as stock did.
 """
 import subprocess, time
 import pytest, torch
@@ -16,7 +16,8 @@ TIMEOUT = 120  # seconds, for each process
 FIRST = ['course', 'freezeload', 'foreign', 'wdchange', 'xproc_a', 'bestfile_a', 'strict', 'withoptnone', 'persistent', 'midsave',
          'export', 'startepoch_onecycle', 'startepoch_flatcos', 'lrfind']
 SECOND = ['xproc_b', 'bestfile_b']  # in another process, after FIRST: they load files of the `_a` jobs
-JOBS = FIRST + SECOND + ['autoresume_smc']
+AUTORESUME = ['autoresume_smc', 'autoresume_ft']  # the package side with AutoResume: run alone, then run again as finished scripts
+JOBS = FIRST + SECOND + AUTORESUME
 RERUNS = 2
 # What is compared, in this order (the first difference reported is the most telling): the job's own extras come after
 FIELDS = ('error', 'steps', 'warnings', 'model', 'opt', 'values', 'losses', 'lrs', 'train_iter', 'lr', 'wd', 'requires_grad',
@@ -51,7 +52,7 @@ def runs(tmp_path_factory, request):
     d = tmp_path_factory.mktemp('invisible')
     (d/'stock').mkdir(); (d/'package').mkdir()
     t0,times = time.time(),{}
-    stock = _start_stock(d/'stock', FIRST + ['autoresume_smc'])
+    stock = _start_stock(d/'stock', FIRST + AUTORESUME)
     forker = request.getfixturevalue('forker')  # imports fastai and the package here while the stock process imports fastai
     def package(*jobs):
         p = forker.start(SCRIPT, d/'package', *jobs, env=ENV)
@@ -64,8 +65,8 @@ def runs(tmp_path_factory, request):
     times['first'] = time.time()-t0
     stock = _start_stock(d/'stock', SECOND)
     res['package'].update(package(*SECOND))
-    res['package'].update(package('autoresume_smc'))
-    res['reruns'] = [package('autoresume_smc')['autoresume_smc'] for _ in range(RERUNS)]
+    for j in AUTORESUME: res['package'].update(package(j))
+    res['reruns'] = [{j: package(j)[j] for j in AUTORESUME} for _ in range(RERUNS)]
     res['stock'].update(_results(d/'stock', stock.jobs, *_finish_stock(stock), 'the stock side'))
     times['all'] = time.time()-t0
     print('process times', times)
@@ -130,11 +131,12 @@ def test_never_resumed(runs, job):
     diffs = _differences(ref, got, FIELDS + EXTRAS)
     assert not diffs, f"{job}: {len(diffs)} differences (stock vs package), first:\n" + '\n'.join(diffs[:8])
 
+@pytest.mark.parametrize('job', AUTORESUME)
 @pytest.mark.parametrize('n', range(1, RERUNS+1))
-def test_finished_script_rerun(runs, n):
-    "`autoresume_smc` run again after its end (package side, with AutoResume): trains nothing, ends as stock's run ended"
-    ref,got = runs['stock']['autoresume_smc'],runs['reruns'][n-1]
-    _check_stock('autoresume_smc', ref)
+def test_finished_script_rerun(runs, job, n):
+    "A job with AutoResume run again after its end (package side): trains nothing, ends as stock's run ended"
+    ref,got = runs['stock'][job],runs['reruns'][n-1][job]
+    _check_stock(job, ref)
     diffs = _differences(ref, got, RERUN_FIELDS)
     if got['steps']: diffs.insert(0, f"steps: 0 expected (a finished script run again trains nothing), got {got['steps']}")
-    assert not diffs, f"autoresume_smc rerun {n}: {len(diffs)} differences (stock vs package), first:\n" + '\n'.join(diffs[:8])
+    assert not diffs, f"{job} rerun {n}: {len(diffs)} differences (stock vs package), first:\n" + '\n'.join(diffs[:8])
