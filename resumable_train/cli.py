@@ -241,9 +241,10 @@ def _table(info)->str:
                  ('trained', f"{p['train_iter']} batch{'es'*(p['train_iter'] != 1)} (train_iter)"),
                  ('schedule', f"pct_train {p['pct_train']:.6f}")]
     elastic = info['world_size'] == 1 or info.get('elastic')  # one process: the position is its batch
-    who = ("another number continues it with elastic=True" if elastic else
-           "only this number continues it (no sample position: written by resumable_train 0.1)")
-    rows.append(('processes', f"{info['world_size']} (world size); {who}"))
+    n = info['world_size']
+    who = ("a run on another number of processes continues it only with AutoResume(elastic=True)" if elastic else
+           "only a run on as many processes continues it (no sample position: written by resumable_train 0.1)")
+    rows.append(('processes', f"written by {n} training process{'es'*(n != 1)}; {who}"))
     if info['fit_call'] is not None:
         rows.append(('fit call', f"{info['fit_call']} (the script's fit calls counted from 1)"))
     if m['values']:
@@ -320,6 +321,11 @@ def _store(where):
     if not d.is_dir(): raise StoreError(f"{d} is not a folder" if d.exists() else f"{d} does not exist")
     return LocalStore(_folder(d))
 
+def _below(d, most:int=5)->list:
+    "The folders below `d` (three levels down at most) that hold checkpoints: where `ls` may have been meant to look"
+    d = Path(d)
+    return sorted({p.parent for p in d.rglob('*.pth') if len(p.relative_to(d).parts) <= 4})[:most]
+
 def _ls(a)->int:
     try:
         store = _store(a.dir)
@@ -344,7 +350,9 @@ def _ls(a)->int:
                               runs={n: dict(r, events=[_from1(e) for e in r['events']]) for n,r in runs.items()}), indent=1))
         return 0
     if not entries:
-        print(f"no checkpoints (*.pth) in {store.url}")
+        below = _below(a.dir) if store.local else []
+        print(f"no checkpoints (*.pth) in {store.url}" + (f"; below it: {', '.join(map(str, below))} (resumable-train ls "
+                                                          f"{below[0]})" if below else ''))
         return 0
     ws = [max(len(r[i]) for r in rows) for i in range(4)]
     print(f"{store.url}:")

@@ -134,7 +134,7 @@ def run_one(fn:Path, update:bool)->int:
         if c['cell_type'] != 'code' or c.get('id') not in ran: continue
         new = _norm_outs(json.loads(json.dumps(o, default=dict)) for o in ran[c['id']])
         old = _norm_outs(c.get('outputs', []))
-        if update: c['outputs'] = new
+        if update and new != old: c['outputs'] = new  # a cell whose outputs are current keeps them as printed (a real digest)
         if fn.name in VARYING and not update: new,old = [_loose_out(o) for o in new],[_loose_out(o) for o in old]
         if new != old:
             diffs.append(f"--- cell {c.get('id')}: {''.join(c['source']).splitlines()[0][:70] if c['source'] else ''}\n" +
