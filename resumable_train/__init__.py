@@ -1,2 +1,2 @@
 """Exact resume for fastai training: kill a run anywhere, rerun it, and end where an uninterrupted run ends."""
-__version__ = "0.2.0"
+__version__ = "0.5.0"
