@@ -71,3 +71,35 @@ def run(quick=False, device=None, reps=None):
                        if picked else f"{th} torch threads: no synchronous interval measured is under 3%")
     t.raw = {f'{e}/{b}/{th}': xs for (e, b, th),xs in times.items()}
     return t
+
+def _fit_secs(learn, ar):
+    "Seconds of the training phase of one epoch of `learn`, with `AutoResume(**ar)` (no AutoResume when `ar` is None)"
+    tt = TrainTimer()
+    with tempfile.TemporaryDirectory(prefix='bench-ar-') as d:
+        learn.path = Path(d)
+        learn.fit(1, cbs=[tt] + ([] if ar is None else [AutoResume(verbose=False, **ar)]))
+    return tt.secs, tt.n
+
+def run_secs(quick=False, device=None, reps=None):
+    "AutoResume's cost per batch as a user sets it: every_secs=10 and the default, on a loop of at least 20 s, one torch thread"
+    reps,n = reps or (1 if quick else 2),(1500 if quick else 8000)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    learn = make_learner(n, bs=64, size='small', device=device)
+    variants = {'none': None, 'AutoResume() (epoch ends only)': {}, 'AutoResume(every_secs=10)': dict(every_secs=10)}
+    times = {k: [] for k in variants}
+    for r in range(reps):
+        ks = list(variants); random.Random(r).shuffle(ks)
+        for k in ks: times[k].append(_fit_secs(learn, variants[k])[0])
+    torch.set_num_threads(threads)
+    t = Table('overhead_secs', "3b. AutoResume's cost per batch: every_secs=10 and the default against no AutoResume",
+              ['AutoResume', 'seconds', 'ms/batch', 'cost µs/batch', 'slowdown', 'goal ≤ 1% and ≤ 20 µs'],
+              [f"small MLP ({n_params(learn.model):,} params), bs 64, one epoch of {n} batches, one torch thread, in-memory data; the "
+               f"training phase timed (the end-of-epoch resume point is not); best of {reps} fits, variants interleaved"])
+    base = min(times['none'])
+    for k,ts in times.items():
+        s = min(ts); cost = (s - base)/n*1e6; slow = s/base - 1
+        t.add(k, f"{s:.2f}", f"{s/n*1e3:.3f}", '—' if k == 'none' else f"{cost:.1f}", '—' if k == 'none' else f"{slow:+.2%}",
+              '' if k == 'none' else 'met' if slow <= 0.01 and cost <= 20 else 'NOT met')
+    t.raw = times
+    return t

@@ -11,7 +11,7 @@ import argparse, json, sys, time
 from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # these modules, then this checkout's package
 
-NAMES = ('fastforward', 'checkpoint', 'overhead', 'stall', 'memory', 'upload', 'peers', 'sigterm', 'cli', 'streams', 'streams_hf')
+NAMES = ('fastforward', 'checkpoint', 'overhead', 'overhead_secs', 'stall', 'memory', 'upload', 'peers', 'sigterm', 'cli', 'streams', 'streams_hf')
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,7 +35,7 @@ def main(argv=None):
     import fastforward, checkpoint, overhead, stall, upload, peers, sigterm, cli, streams
     out = Path(a.out) if a.out else RESULTS/'quick' if a.quick else RESULTS
     info = machine_info(a.quick, a.device)
-    mods = dict(fastforward=fastforward, checkpoint=checkpoint, overhead=overhead, stall=stall, memory=memory, upload=upload, peers=peers, sigterm=sigterm, cli=cli, streams=streams, streams_hf=streams.run_hf)
+    mods = dict(fastforward=fastforward, checkpoint=checkpoint, overhead=overhead, overhead_secs=overhead.run_secs, stall=stall, memory=memory, upload=upload, peers=peers, sigterm=sigterm, cli=cli, streams=streams, streams_hf=streams.run_hf)
     for n in a.only:
         t0 = time.perf_counter()
         kw = dict(device=a.device) if n not in ('fastforward', 'streams', 'streams_hf') else {}

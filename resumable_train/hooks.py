@@ -157,6 +157,13 @@ Learner.one_batch._fastai = _fastai['one_batch']
 
 def fit_events(learn)->FitEvents|None: return next((cb for cb in learn.cbs if isinstance(cb, FitEvents)), None)
 
+class LeanCallback(Callback):
+    "A `Callback` that costs nothing at the events it does not define (fastai's `__call__` looks each up through `GetAttr`)"
+    training = property(lambda self: self.learn.training)  # read at every event of the inner loop: straight from the Learner
+    def __call__(self, event_name):
+        if getattr(type(self), event_name, None) is not None: return super().__call__(event_name)
+        if event_name == 'after_fit': self.run = True  # as fastai's `__call__` sets it back at every fit's end
+
 # %% ../nbs/01a_hooks.ipynb #25f89df8
 class _AfterImport(importlib.abc.MetaPathFinder):
     "Call a function on a module right after it is first imported, without importing it"

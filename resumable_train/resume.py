@@ -800,6 +800,7 @@ from fastai.callback.core import Callback
 from .files import *
 from .state import *
 from .fitcalls import run_setup, check_setup, fit_plan, check_plan, asked_hypers
+from .hooks import LeanCallback
 
 # %% ../nbs/02a_resume.ipynb #b5c59e93
 def _drop_first(idxs, n):
@@ -882,7 +883,7 @@ def fastai_pct(pct:float, it:int, n_iter:int, n_epoch:int)->float:
     for _ in range(it): pct += step
     return pct
 
-class SkipToIter(Callback):
+class SkipToIter(LeanCallback):
     "Fast-forward `fit` to batch `iter` of epoch `epoch`, or to the resume point `learn.load` left"
     order = 1000
     def __init__(self, epoch:int=0, # the epoch to start in
@@ -952,7 +953,7 @@ from fastcore.basics import GetAttr
 from fastai.data.load import DataLoader
 from fastai.callback.core import Callback
 from .state import *
-from .hooks import ResumeState
+from .hooks import ResumeState, LeanCallback
 
 # %% ../nbs/02a_resume.ipynb #fa1344f9
 @contextmanager
@@ -1023,7 +1024,7 @@ def _seed_patches(dl, rng_dl, resume)->dict:
     if has_state(dl): return dict(dataset=_SeededItems(dl.dataset, by_indices=True))
     return {}
 
-class SeedBatches(Callback):
+class SeedBatches(LeanCallback):
     "Make each training batch's item randomness depend only on the epoch's order (or base seed) and the batch index"
     order = 900
     def before_train(self):

@@ -14,6 +14,7 @@ from fastai.torch_core import set_seed
 from fastai.data.load import DataLoader
 from fastai.callback.core import Callback
 from .state import *
+from .hooks import LeanCallback
 
 # %% auto #0
 __all__ = ['stampable', 'stamp_workers', 'WorkerStreams']
@@ -108,7 +109,7 @@ def stamp_workers(dl)->tuple:
     return w,[partial(unpatch_attrs, dl, old)]
 
 # %% ../nbs/01b_workers.ipynb #812bbce3
-class WorkerStreams(Callback):
+class WorkerStreams(LeanCallback):
     "Keep the random streams of the training DataLoader's workers at each batch, so that a resumed epoch's workers go on from them"
     order = 900  # after the trainers, which give `learn.dl` its rank's share; before `SkipToIter`, which resumes it
     def __init__(self): self.workers,self.undo = None,[]

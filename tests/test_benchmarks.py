@@ -3,7 +3,7 @@ import json
 import pytest, torch
 from helpers import PY, ROOT, run, check_rc
 
-NAMES = ('fastforward', 'checkpoint', 'overhead', 'stall', 'memory', 'upload', 'peers', 'sigterm', 'cli', 'streams', 'streams_hf')
+NAMES = ('fastforward', 'checkpoint', 'overhead', 'overhead_secs', 'stall', 'memory', 'upload', 'peers', 'sigterm', 'cli', 'streams', 'streams_hf')
 
 def test_quick_benchmarks(tmp_path):
     res = run([PY, str(ROOT/'benchmarks'/'run.py'), '--quick', '--out', str(tmp_path)], timeout=300)
