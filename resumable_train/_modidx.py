@@ -363,6 +363,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                        'resumable_train.hooks.fit_events': ('hooks.html#fit_events', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks.hide_probes': ('hooks.html#hide_probes', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks.hide_progress': ('hooks.html#hide_progress', 'resumable_train/hooks.py'),
+                                       'resumable_train.hooks.internal': ('hooks.html#internal', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks.is_a': ('hooks.html#is_a', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks.is_refusal': ('hooks.html#is_refusal', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks.refusal_text': ('hooks.html#refusal_text', 'resumable_train/hooks.py'),

@@ -16,7 +16,7 @@ from fastai.learner import Learner, Recorder
 from .state import qualname
 
 # %% auto #0
-__all__ = ['DEBUG_VAR', 'fastai_changes', 'check_fastai', 'is_refusal', 'refusal_text', 'short_refusals']
+__all__ = ['DEBUG_VAR', 'fastai_changes', 'check_fastai', 'internal', 'is_refusal', 'refusal_text', 'short_refusals']
 
 # %% ../nbs/01a_hooks.ipynb #f0f8bd0f
 def fastai_code(name:str):
@@ -78,6 +78,18 @@ def _refuse_fastai(changed:list):
     else: raise ImportError(msg)
 
 check_fastai()
+
+# the versions the internals of other libraries that `internal` reaches were tested with
+_TESTED = dict(torch='2.14', datasets='5.2')
+
+def internal(owner, name:str, library:str):
+    "`owner.name`, an internal of `library` the package relies on; an `ImportError` naming the library's version where it is gone"
+    try: return getattr(owner, name)
+    except AttributeError: pass
+    from importlib.metadata import version
+    raise ImportError(f"resumable_train relies on {getattr(owner, '__name__', type(owner).__name__)}.{name}, an internal of "
+                      f"{library}, which {library} {version(library)} does not have (tested with {library} {_TESTED[library]}): "
+                      f"install {library} {_TESTED[library]}, or a resumable_train made for this {library}") from None
 
 # %% ../nbs/01a_hooks.ipynb #5d4e7ec4
 _fastai = {n: getattr(getattr(Learner, n), '_fastai', getattr(Learner, n))

@@ -173,7 +173,7 @@ from fastcore.basics import GetAttr
 from fastai.data.load import DataLoader
 from .state import *
 from .fitcalls import loader_of, is_webdataset
-from .hooks import is_a
+from .hooks import is_a, internal
 
 # %% ../nbs/02a_resume.ipynb #a1f0c006
 _replayable = weakref.WeakSet()  # the loaders opted in to `allow_replay`
@@ -362,7 +362,9 @@ def _as_worker(info, role:int):
     "Make this DataLoader worker (`info`) the worker `role` of the same epoch: its seeds, its `get_worker_info()`"
     from torch.utils.data._utils import worker  # where `get_worker_info` reads; seeded as its `_worker_loop` seeds
     base = info.seed - info.id
-    random.seed(base + role); torch.default_generator.manual_seed(base + role); np.random.seed(worker._generate_state(base, role))
+    random.seed(base + role); torch.default_generator.manual_seed(base + role)
+    np.random.seed(internal(worker, '_generate_state', 'torch')(base, role))
+    internal(worker, '_worker_info', 'torch')  # where `get_worker_info` reads
     worker._worker_info = worker.WorkerInfo(id=role, num_workers=info.num_workers, seed=base + role, dataset=info.dataset)
 
 class _Skip(torch.utils.data.IterableDataset):
@@ -584,6 +586,7 @@ def _hf_datasets(ds)->list:
 def _buffers(hf):
     "The shuffle buffers in the pipeline of `hf`, a Hugging Face `IterableDataset`, with what holds each"
     o,name = hf,'_ex_iterable'
+    internal(hf, name, 'datasets')
     while (ex := getattr(o, name, None)) is not None:
         if 'datasets.iterable_dataset.BufferShuffledExamplesIterable' in _names(ex): yield o,name,ex
         o,name = ex,'ex_iterable'
@@ -603,7 +606,8 @@ def _not_plain(features)->list:
 def reshards(dl, world:int)->bool:
     "Does the stream of `dl` split anew among `world` processes: a Hugging Face dataset split by node, by shards?"
     hfs = _hf_datasets(getattr(loader_of(dl), 'dataset', None))
-    return bool(hfs) and all(getattr(o, '_distributed', None) is not None and o._ex_iterable.num_shards >= world for o in hfs)
+    return bool(hfs) and all(getattr(o, '_distributed', None) is not None
+                             and internal(o, '_ex_iterable', 'datasets').num_shards >= world for o in hfs)
 
 def keep_buffers(dl, inside:bool=True): # resume points inside an epoch are asked for (else a buffer this package cannot keep stays)
     "Make each Hugging Face shuffle buffer of `dl`'s dataset keep its content in its `state_dict`; refuse one that cannot"
@@ -629,7 +633,7 @@ def keep_buffers(dl, inside:bool=True): # resume points inside an epoch are aske
                               "torchdata's snapshots, one a batch: give the StatefulDataLoader snapshot_every_n_steps= "
                               "the AutoResume(every_iter=...) interval")
         # the state it made for its pipeline when it was made, which a worker's first snapshot reports: the new pipeline's
-        hf._prepare_ex_iterable_for_iteration()
+        internal(hf, '_prepare_ex_iterable_for_iteration', 'datasets')()
     return dl
 
 # %% ../nbs/02a_resume.ipynb #e0a38628

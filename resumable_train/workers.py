@@ -9,12 +9,13 @@ from functools import partial
 import numpy as np, torch
 import fastai.data.load
 from torch.utils.data import get_worker_info
-from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 from fastai.torch_core import set_seed
 from fastai.data.load import DataLoader
 from fastai.callback.core import Callback
 from .state import *
-from .hooks import LeanCallback
+from .hooks import LeanCallback, internal
+
+_MultiProcessingDataLoaderIter = internal(torch.utils.data.dataloader, '_MultiProcessingDataLoaderIter', 'torch')
 
 # %% auto #0
 __all__ = ['stampable', 'stamp_workers', 'WorkerStreams']
@@ -70,7 +71,7 @@ class _StartingInit:
     def _reseed(self, base:int, w:int):
         "Seed as PyTorch's `_worker_loop` seeds worker `w`, then its `worker_init_fn`"
         random.seed(base + w); torch.manual_seed(base + w)
-        np.random.seed(torch.utils.data._utils.worker._generate_state(base, w))
+        np.random.seed(internal(torch.utils.data._utils.worker, '_generate_state', 'torch')(base, w))
         if self.init is not None: self.init(w)
 
 class _StampingCollate:
