@@ -834,10 +834,12 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                      'resumable_train/workers.py'),
                                          'resumable_train.workers._Workers.took': ( 'workers.html#_workers.took',
                                                                                     'resumable_train/workers.py'),
+                                         'resumable_train.workers._packed': ('workers.html#_packed', 'resumable_train/workers.py'),
                                          'resumable_train.workers._raw': ('workers.html#_raw', 'resumable_train/workers.py'),
                                          'resumable_train.workers._stamp': ('workers.html#_stamp', 'resumable_train/workers.py'),
                                          'resumable_train.workers._stamped_batches': ( 'workers.html#_stamped_batches',
                                                                                        'resumable_train/workers.py'),
+                                         'resumable_train.workers._unpacked': ('workers.html#_unpacked', 'resumable_train/workers.py'),
                                          'resumable_train.workers.stamp_workers': ( 'workers.html#stamp_workers',
                                                                                     'resumable_train/workers.py'),
                                          'resumable_train.workers.stampable': ('workers.html#stampable', 'resumable_train/workers.py')}}}

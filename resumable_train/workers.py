@@ -4,7 +4,7 @@
 
 # %% ../nbs/01b_workers.ipynb #035fa99a
 from __future__ import annotations
-import random
+import pickle, random
 from functools import partial
 import numpy as np, torch
 import fastai.data.load
@@ -24,12 +24,14 @@ __all__ = ['stampable', 'stamp_workers', 'WorkerStreams']
 class _Stamped:
     "A batch made in a DataLoader worker, with the worker's number and its streams once the batch was made"
     __slots__ = ('b', 'worker', 'streams')
-    def __init__(self, b, worker:int, streams:tuple): self.b,self.worker,self.streams = b,worker,streams
+    def __init__(self, b, worker:int, streams:torch.Tensor): self.b,self.worker,self.streams = b,worker,streams
 
 def _stamp(b):
     "`b` as a worker sends it: stamped with its streams (in the training process, as it is)"
     info = get_worker_info()
-    return b if info is None else _Stamped(b, info.id, raw_streams())
+    # in a tensor, which goes through shared memory as the batch's tensors do: pickled by value, the 11 kB of streams a batch would
+    # fill the pipe of the workers' queue, and a worker orphaned with a full pipe never ends
+    return b if info is None else _Stamped(b, info.id, _packed(raw_streams()))
 
 class _Workers:
     "The streams of a DataLoader's `n` workers in an epoch: after each residue's last trained batch, and where a resumed epoch's start"
@@ -38,16 +40,19 @@ class _Workers:
         "The batch of `s`, noting its worker's streams (in the training process)"
         self.after[(self.first + s.worker) % self.n] = s.streams
         return s.b
-    def state(self)->list: return [None if s is None else plain_streams(s) for s in self.after]
+    def state(self)->list: return [None if s is None else plain_streams(_unpacked(s)) for s in self.after]
     def resume(self, saved:list, first:int):
         "An epoch resumed at batch `first`: worker `j` starts from the streams of old worker `(first+j) % n`, or seeded as it"
-        self.first,self.after = first,[None if s is None else _raw(s) for s in saved]
+        self.first,self.after = first,[None if s is None else _packed(_raw(s)) for s in saved]
         self.start = [self.after[r] if self.after[r] is not None else r for r in ((first+j) % self.n for j in range(self.n))]
     def begin(self, info, reseed):
         "In a worker, before its first batch: start from the streams the resumed epoch gives it (`reseed(base, w)`: seeded as `w`)"
         s = None if self.start is None else self.start[info.id]
         if isinstance(s, int): reseed(info.seed - info.id, s)
-        elif s is not None: set_rng_state(plain_streams(s))
+        elif s is not None: set_rng_state(plain_streams(_unpacked(s)))
+
+def _packed(raw:tuple)->torch.Tensor: return torch.frombuffer(bytearray(pickle.dumps(raw)), dtype=torch.uint8)
+def _unpacked(t:torch.Tensor)->tuple: return pickle.loads(t.numpy().tobytes())  # this run's own streams, never a file's
 
 def _raw(s:dict)->tuple:
     "`plain_streams`'s values back as `raw_streams` takes them"

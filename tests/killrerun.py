@@ -6,7 +6,7 @@ A script used with this harness:
 - takes its output file as the first argument, and sleeps `KILLRERUN_SLEEP` seconds per batch when it is set (to leave time for a kill).
 It runs in children forked by `forked.Forker`, so `import fastai` is paid once per test module.
 """
-import hashlib, os, signal, subprocess, time
+import hashlib, os, queue, signal, subprocess, threading, time
 from pathlib import Path
 import numpy as np, torch
 from fastai.callback.core import Callback
@@ -40,6 +40,25 @@ def batches(lines)->list:
     "The `(fit, epoch, iter)` of every batch a run trained"
     return [tuple(map(int, l.split()[1:4])) for l in lines if l.startswith('BATCH ')]
 
+ORPHANS = 20  # seconds the processes a child left (DataLoader workers) may hold its output after it ended: they end within 5 s
+
+def _lines(p, deadline, script):
+    "The lines `p` prints, until its output ends; a `TimeoutExpired` at `deadline`, an `AssertionError` for workers that outlive it"
+    q = queue.Queue()
+    threading.Thread(target=lambda: [*map(q.put, p.stdout), q.put(None)], daemon=True).start()
+    ended = None
+    while True:
+        try: line = q.get(timeout=1)
+        except queue.Empty:
+            if time.monotonic() > deadline: raise subprocess.TimeoutExpired(script, 0) from None
+            if ended is None and p.poll() is not None: ended = time.monotonic()
+            if ended is not None and time.monotonic() - ended > ORPHANS:
+                raise AssertionError(f"{script} ended ({p.returncode}), but processes it left hold its output {ORPHANS} s later: "
+                                     "DataLoader workers that did not end")
+            continue
+        if line is None: return
+        yield line
+
 def run_until(forker, script, args, stop_after=None, sig=signal.SIGKILL, timeout=120, env=None, cwd=None, until=None, then=None):
     """Run `script`; after its `stop_after`-th trained batch, or at the first line that `until(line)` holds for, send `sig` (never if
     `None`) or call `then()`; return `(returncode, lines)`"""
@@ -47,7 +66,7 @@ def run_until(forker, script, args, stop_after=None, sig=signal.SIGKILL, timeout
     p,lines,n,sent = forker.start(script, *args, env=env, cwd=cwd),[],0,False
     deadline = time.monotonic() + timeout
     try:
-        for line in p.stdout:
+        for line in _lines(p, deadline, script):
             lines.append(line)
             n += line.startswith('BATCH ')
             due = (stop_after and line.startswith('BATCH ') and n == stop_after) or (until is not None and until(line))
