@@ -288,8 +288,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                      'resumable_train/fitcalls.py'),
                                           'resumable_train.fitcalls.run_setup': ('fitcalls.html#run_setup', 'resumable_train/fitcalls.py'),
                                           'resumable_train.fitcalls.run_state': ('fitcalls.html#run_state', 'resumable_train/fitcalls.py'),
-                                          'resumable_train.fitcalls.say_finished': ( 'fitcalls.html#say_finished',
-                                                                                     'resumable_train/fitcalls.py'),
                                           'resumable_train.fitcalls.setup_diff': ( 'fitcalls.html#setup_diff',
                                                                                    'resumable_train/fitcalls.py'),
                                           'resumable_train.fitcalls.start_digest': ( 'fitcalls.html#start_digest',

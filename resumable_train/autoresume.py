@@ -746,7 +746,7 @@ class AutoResume(LeanCallback):
             if kind == 'continue': self._continue(file, rec, state)
             self._add_worker_streams()
             self.state,self.last_save = 'training',time.monotonic()
-            self.fit_calls.unfinished = self.run_state.trained = True
+            self.fit_calls.unfinished = True
             fresh = kind == 'start' and self.fit_index == 0 and file is None
             self.runlog.begin(self.fit_index, (self.n_epoch, self.fits[-1].get('n_iter')), self.resumed_from, fresh=fresh)
             mine = (self, self._look_cb)
@@ -825,12 +825,10 @@ class AutoResume(LeanCallback):
         where = self.store.where(name)
         end_rec = self._load_end(where, i)
         when = 'before the interruption' if self.fit_calls.again else 'in an earlier run'
-        self._say(f"AutoResume: fit call {i+1} finished {when}; its end state is loaded from {where}")
-        last = rec['fit_index'] == i and rec['epoch'] is None  # the files hold nothing after this call
-        self.run_state.finished_note = None if not (last and self.verbose) or rank_distrib() else (
-            f"AutoResume: this run already finished at {where} ({_describe(end_rec)}); nothing was trained. To train on "
-            "from there, add another fit call after the last one; to train again, delete "
-            f"{self.folder}/{self.fname}-*.pth.")
+        last = rec['fit_index'] == i and rec['epoch'] is None  # the files hold nothing after this call: one message says all
+        self._say(f"AutoResume: fit call {i+1} finished {when}; its end state is loaded from {where}" + (
+            f" ({_describe(end_rec)}), the last the run's files hold, and nothing is trained: a fit call after it trains on "
+            f"from there; to train again from the start, delete {self.folder}/{self.fname}-*.pth" if last else ''))
         self.state = 'skipping'
         self.learn.resume.skip()
 

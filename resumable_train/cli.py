@@ -373,7 +373,7 @@ def _quiet_imports():
 def _walkthrough(a)->int:
     "`demo --no-kill`: one run, paced for a Ctrl-C by hand"
     AutoResume = _quiet_imports()
-    from resumable_train.fitcalls import say_finished, forget_runs
+    from resumable_train.fitcalls import forget_runs
     forget_runs()  # each demo command is a script of its own, also when `main` runs twice in one process
     from fastai.callback.core import Callback
     class _Pause(Callback):
@@ -391,7 +391,6 @@ def _walkthrough(a)->int:
     except KeyboardInterrupt:
         if not learn.auto_resume.stopped: raise
         return 130
-    say_finished()  # the demo's only fit call was its last
     print(f"accuracy {learn.recorder.values[-1][-1]:.4f}, weights {weights_digest(learn.model)} "
           "(`resumable-train demo` without --no-kill checks it against an uninterrupted run)")
     return 0

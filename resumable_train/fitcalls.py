@@ -188,7 +188,7 @@ def check_plan(saved, now, file, strict=False, # refuse (or warn)
     warnings.warn(f"{msg}; {then} (strict_hypers=True refuses)", stacklevel=2)
 
 # %% ../nbs/02_fitcalls.ipynb #4c53dce1
-import atexit, hashlib, itertools, os, re, sys
+import hashlib, itertools, os, re, sys
 from pathlib import Path
 import torch
 from .state import *
@@ -295,8 +295,6 @@ class RunState:
     "A run's fit calls in this process, whichever `Learner` or `AutoResume` makes them"
     def __init__(self, where:str):
         self.where,self.calls,self.fits,self.ends,self.starts = where,FitCalls(),[],[],[]
-        # a call of this process trained; what to say at exit if none did and the files hold nothing after its last call
-        self.trained,self.finished_note = False,None
 
     def jump(self, i:int, digest:str, rec:dict)->int:
         "The call the fit call numbered `i` is: a later one of `rec`'s run when it starts from that call's weights"
@@ -324,10 +322,3 @@ def run_state(store, fname:str)->RunState:
 def forget_runs():
     "Forget this process's runs, as a new process does: for examples that stand in for a script run again"
     _run_states.clear()
-
-@atexit.register
-def say_finished():
-    "Once the script made its last fit call (at exit): say of each run that trained nothing that it had already finished"
-    for rs in _run_states.values():
-        if not rs.trained and rs.finished_note: print(rs.finished_note, flush=True)
-        rs.finished_note = None

@@ -45,7 +45,7 @@ def test_demo_resumes_after_sigint(runs):
     rc,out = runs['again']
     assert rc == 0 and digest(out) == digest(ref_out), out[-2000:]
     assert out.count('to train again') == 1, out[-2000:]  # AutoResume's line says how to train again, and nothing repeats it
-    assert 'AutoResume: this run already finished' in out and 'train_loss' not in out and '█' not in out, out[-2000:]  # no bar, no table
+    assert "the last the run's files hold, and nothing is trained" in out and 'train_loss' not in out and '█' not in out, out[-2000:]  # no bar, no table
 
 # What each kind of file is, for `inspect`: (exit status, words its message must hold)
 KINDS = {

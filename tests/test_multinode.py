@@ -135,7 +135,7 @@ def test_fine_tune_rank0_moves(forker, tmp_path):
     # the same command again, rank 0 back on node a: fit call 1's end is read on node a, though the newest file is on
     # node b (before: read on node b, refused as missing)
     res = forked_nodes(forker, [a, b], '--tag', 'again')
-    assert 'this run already finished' in res[0][1], why(res)
+    assert "the last the run's files hold, and nothing is trained" in res[0][1], why(res)
     assert_same(reference, [load_result(a/'result-again-rank0.pt'), load_result(b/'result-again-rank1.pt')])
 
 def busy(n:int=2, secs:float=120)->list:

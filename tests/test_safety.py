@@ -80,7 +80,7 @@ def test_fresh_process_after_calls_in_another(forker, refs, tmp_path):
     assert not compare(refs['one'][0], tmp_path/'b.pth') and not between_diff(refs['one'][1], tmp_path/'b.between.pth')
     lines = run_to_end(forker, SCRIPT, [tmp_path/'c.pth', '--second', 'same', '--between', tmp_path/'c.between.pth'], cwd=run)
     assert batches(lines) == [] and not compare(refs['same'][0], tmp_path/'c.pth')
-    assert 'AutoResume: this run already finished at' in text(lines) and 'nothing was trained. To train on' in text(lines)
+    assert "the last the run's files hold, and nothing is trained: a fit call after it trains on" in text(lines)
 
 def test_ctrl_c_then_same_fit_in_same_process(forker, refs, tmp_path):
     "Ctrl-C in a fit call, then the same call again in the same process (a notebook cell re-run): continues exactly, no batch twice"
