@@ -6,7 +6,7 @@ A script used with this harness:
 - takes its output file as the first argument, and sleeps `KILLRERUN_SLEEP` seconds per batch when it is set (to leave time for a kill).
 It runs in children forked by `forked.Forker`, so `import fastai` is paid once per test module.
 """
-import hashlib, os, queue, signal, subprocess, threading, time
+import hashlib, os, queue, signal, subprocess, sys, threading, time
 from pathlib import Path
 import numpy as np, torch
 from fastai.callback.core import Callback
@@ -98,6 +98,24 @@ def compare(ref, got, keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters'))
     "Where two results of `save_result` differ, bitwise (`torch.equal`); `[]` when identical"
     a,b = torch.load(ref, weights_only=True),torch.load(got, weights_only=True)
     return [d for k in keys for d in diff_values(a[k], b[k], k)]
+
+class StockRun:
+    "`script OUT --stock ARGS` (stock fastai: the package never imported) in a real process of its own, started now; its results"
+    def __init__(self, script, out, *args, timeout=300):
+        from helpers import test_env
+        self.out,self.timeout,self.log = Path(out),timeout,open(Path(out)/'log', 'w')
+        self.p = subprocess.Popen([sys.executable, str(script), str(out), '--stock', *map(str, args)], stdout=self.log,
+                                  stderr=subprocess.STDOUT, env=test_env(), start_new_session=True)
+    def result(self, name:str)->Path:
+        "The result `OUT/name.pth`, once the run ended well (waited for at the first result asked)"
+        try: rc = self.p.wait(self.timeout)
+        except subprocess.TimeoutExpired: self.close(); rc = self.p.wait()
+        assert rc == 0, f"the stock run exited with {rc}:\n{(self.out/'log').read_text()[-3000:]}"
+        return self.out/f'{name}.pth'
+    def close(self):
+        try: os.killpg(self.p.pid, signal.SIGKILL)  # its DataLoader workers too
+        except (ProcessLookupError, PermissionError): pass
+        self.log.close()
 
 def same_as_stock(stock_out, ref_out):
     "Assert the uninterrupted run with AutoResume (`ref_out`) is bitwise stock fastai's (`stock_out`), optimizer steps included"

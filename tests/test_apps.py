@@ -1,10 +1,9 @@
 """fastai's applications, a plain Dataset with workers and plain PyTorch DataLoaders, killed twice by SIGKILL with AutoResume and rerun:
 bitwise the uninterrupted run, which is bitwise stock fastai's (a real process that never imports the package)."""
-import random, subprocess
+import random
 import pytest, torch
 from forked import Forker
-from helpers import PY, TESTS, kill_group
-from helpers import test_env as subprocess_env  # not a test
+from helpers import TESTS
 import killrerun as kr
 
 SCRIPT = str(TESTS/'apps_script.py')
@@ -26,18 +25,9 @@ def stock(request, data, tmp_path_factory):
     "The apps of the selected tests run by stock fastai, without and with `--then`, in a real process of their own (started now)"
     apps = [a for a in APPS if any(getattr(i, 'callspec', None) and i.callspec.params.get('app') == a and i.module is request.module
                                    for i in request.session.items)]
-    out = tmp_path_factory.mktemp('stock')
-    log = open(out/'log', 'w')
-    p = subprocess.Popen([PY, SCRIPT, str(out), '--stock', '--data', data, '--apps', *apps], stdout=log, stderr=subprocess.STDOUT,
-                         env=subprocess_env(), start_new_session=True)
-    def result(app, then=False):
-        if p.returncode is None:
-            try: p.wait(300)
-            finally: kill_group(p)
-        assert p.returncode == 0, f"the stock run exited with {p.returncode}:\n{(out/'log').read_text()[-3000:]}"
-        return out/f"{app}{'-then'*then}.pth"
-    yield result
-    kill_group(p); log.close()
+    run = kr.StockRun(SCRIPT, tmp_path_factory.mktemp('stock'), '--data', data, '--apps', *apps)
+    yield lambda app, then=False: run.result(f"{app}{'-then'*then}")
+    run.close()
 
 def resume_starts(ref)->set:
     "The indices in `ref` (the batches of an uninterrupted run) where a rerun can start: after every `EVERY`-th batch of a fit, and at each epoch"

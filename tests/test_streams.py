@@ -1,11 +1,10 @@
 """Streams and stateful loaders (issue 19), killed twice by SIGKILL with AutoResume and rerun: bitwise the uninterrupted run, which is
 stock fastai's where the package keeps the draws (a real process that never imports the package); a stream without the replay opt-in
 is refused before its first batch."""
-import random, subprocess
+import random
 import pytest, torch
 from forked import Forker
-from helpers import PY, TESTS, kill_group
-from helpers import test_env as subprocess_env  # not a test
+from helpers import TESTS
 import killrerun as kr
 
 SCRIPT = str(TESTS/'stream_script.py')
@@ -24,18 +23,9 @@ def forker():
 @pytest.fixture(scope='module')
 def stock(tmp_path_factory):
     "The sources compared with stock fastai, trained by it in a real process of its own (started now, waited for when needed)"
-    out = tmp_path_factory.mktemp('stock')
-    log = open(out/'log', 'w')
-    p = subprocess.Popen([PY, SCRIPT, str(out), '--stock', '--sources', *[s for s in SOURCES if s not in NOT_STOCK]], stdout=log,
-                         stderr=subprocess.STDOUT, env=subprocess_env(), start_new_session=True)
-    def result(source):
-        if p.returncode is None:
-            try: p.wait(300)
-            finally: kill_group(p)
-        assert p.returncode == 0, f"the stock run exited with {p.returncode}:\n{(out/'log').read_text()[-3000:]}"
-        return out/f'{source}.pth'
-    yield result
-    kill_group(p); log.close()
+    run = kr.StockRun(SCRIPT, tmp_path_factory.mktemp('stock'), '--sources', *[s for s in SOURCES if s not in NOT_STOCK])
+    yield run.result
+    run.close()
 
 @pytest.mark.parametrize('source', SOURCES)
 def test_kill_and_rerun(forker, stock, tmp_path, source):
