@@ -16,6 +16,5 @@ from .distributed import DDPTrainer, init_distributed
 from .cli import checkpoint_info, weights_digest, digits_learner
 
 __all__ = ['AutoResume', 'SkipToIter', 'WorkerStreams', 'SeedBatches', 'DDPTrainer', 'init_distributed', 'register_state', 'allow_replay',
-
            'list_checkpoints', 'newest_valid', 'read_checkpoint', 'CheckpointError', 'checkpoint_info', 'wandb_id',
            'weights_digest', 'digits_learner']

@@ -860,7 +860,6 @@ class AutoResume(LeanCallback):
         if not after:
             load_through(self.learn, _stem(file), with_iter=False, state=state, elastic=self.elastic)
             self.end_state = (file, state)
-
         # as continuing inside a fit call does (`SkipToIter`): the gradients a fit call left are state of the next one
         rested = after and self.learn.resume.rested  # the cache held them, and the code since drew from its streams
         if not rested: restore_grads(self.learn, rec)

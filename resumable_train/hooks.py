@@ -36,7 +36,6 @@ _RELIED_ON = {  # what the package relies on, as fastai 2.8.8-2.8.12 write it: s
     'DataLoader.create_batches': 'a2178e96cd63', 'DataLoader.get_idxs': 'c2227a694d87',
     '_FakeLoader.__iter__': 'f39234f4c7cd',
     # the batching `SeedBatches` re-implements, and the worker setup `WorkerSignals` and `WorkerStreams` wrap
-
     'DataLoader.sample': '630c1af4ccae', 'DataLoader.chunkify': 'bf09bfe0f5fd', 'DataLoader.do_item': 'fccac713e915',
     '_FakeLoader.__init__': '1530b54f903e',
     # the `Recorder` whose lists the resume point saves and the history log packs
@@ -44,7 +43,6 @@ _RELIED_ON = {  # what the package relies on, as fastai 2.8.8-2.8.12 write it: s
     'Recorder.after_epoch': '74aeee0c3f56',
     # the save and load the package replaces (`learner`), and what text learners did instead
     'Learner.save': '6e7cbc8dfa6f', 'Learner.load': '94432abd9d4c', 'Learner.export': '1f9503f375bf', 'TextLearner.load': 'f19056c8bbfe',
-
     'load_model_text': '5a324ff10d0d',
     # fastai's Accelerate trainer, which `distributed` makes resumable (and able to run on a CPU)
     'DistributedTrainer.before_fit': 'fe6413ee1d09', 'DistributedTrainer.after_fit': 'e08e371b2fd6',
@@ -134,7 +132,6 @@ class ResumeState:
         # in the process that saved it (or any later point of the run) the stage is a plain model file, as in fastai
         if not (isinstance(mark, dict) and isinstance(mark.get('done'), int) and run is not None): return False
         return mark.get('where') == run.where and run.calls.done < mark['done']
-
 
 @patch(as_prop=True)
 def resume(self:Learner)->ResumeState:
@@ -232,10 +229,8 @@ def _start_through(f):
         stock = dict(start_epoch=start_epoch) if start_epoch and not start_iter else {}
         self.resume.start = (0, 0, f.__name__) if stock else (start_epoch, start_iter, f.__name__)
         try:
-
             with fit_call(self, f, args, kwargs): return f(self, *args, **kwargs, **stock)
         finally: self.resume.start = (0, 0, 'fit')
-
     _fit._fastai = f
     return _fit
 

@@ -6,11 +6,9 @@
 from __future__ import annotations
 import sys, warnings
 from functools import partial
-
 import torch
 from fastcore.basics import patch
 from fastcore.meta import delegates
-
 from fastcore.foundation import L
 from fastai.torch_core import get_model, distrib_barrier, rank_distrib, to_device
 from fastai.learner import Learner, save_model
@@ -26,7 +24,7 @@ from .resume import world_size, read_on_rank0, log_owner, restore_rest
 from .fitcalls import run_setup
 
 # %% auto #0
-__all__ = ['run_of']
+__all__ = []
 
 # %% ../nbs/02b_learner.ipynb #a2e9e858
 short_refusals()  # a refusal or a stop that ends a script shows its message, not a traceback (see `00c_errors`)
@@ -81,7 +79,6 @@ def save(self:Learner, file, # a name in `learn.path/learn.model_dir`, a path, o
     # that `AutoResume` keeps, the stage a rerun may load from a cache instead of training it
     if with_iter is None: with_iter = not self.resume.fitting and self.resume.run is not None
     file,full = _location(self, file),with_opt and with_iter and self.opt is not None
-
     if rank_distrib():
         if full: resume_point(self)  # every rank takes part in gathering the states (`DDPTrainer`'s random streams)
         return file
@@ -126,13 +123,11 @@ def _stock_load_opt(opt, sd, with_opt):
     except Exception:
         if with_opt: warnings.warn("Could not load the optimizer state.")
 
-
-def run_of(learn):
+def _run_of(learn):
     "The run (`RunState`) `learn` is part of: its last fit call's with `AutoResume`, or the run of an `AutoResume` it has"
     if learn.resume.run is not None: return learn.resume.run
     ar = next((cb for cb in learn.cbs if callable(getattr(cb, 'current_run', None))), None)
     return None if ar is None else ar.current_run()
-
 
 # %% ../nbs/02b_learner.ipynb #206f7ec2
 def world_error(file, saved, now):
@@ -217,7 +212,7 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
     point = with_iter and opt and between and rec is not None and rec.get('epoch') is not None
     rest = (rec or {}).get('rest') if with_iter and opt and not self.resume.fitting else None
     # only a stage of the run this process continues is more than a model file: see `ResumeState.continues`
-    stage = rest is not None and self.resume.continues(rest.get('run'), run_of(self))
+    stage = rest is not None and self.resume.continues(rest.get('run'), _run_of(self))
     try: get_model(self.model).load_state_dict(_model_state(self, state['model'] if hasopt else state), strict=strict)
     except RuntimeError as e: raise CheckpointError(f"{file} does not match this Learner's model: {e}") from e
     if opt and hasopt:
@@ -236,7 +231,6 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
             restore_rest(self, rest)  # a stage of this run, saved between two fit calls, goes on as it went on then
             self.resume.rested = True
     return self
-
 Learner.load._fastai = _stock_load
 
 # %% ../nbs/02b_learner.ipynb #104acf89
@@ -262,7 +256,6 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
     try:
         with fit_call(self, _stock_fit, (n_epoch,), {k: v for k,v in dict(lr=lr, wd=wd).items() if v is not None}):
             _stock_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=stock_start)
-
     finally:
         self.resume.end()
         for cb in left.values():

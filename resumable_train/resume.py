@@ -24,7 +24,6 @@ def group_device():
 class CollectiveError(RuntimeError):
     "A collective call failed: another rank has died, gave up, or did not answer within the process group's timeout"
 
-
 # %% ../nbs/02a_resume.ipynb #c28a0003
 # what the backends' failures say: gloo's and nccl's are plain `RuntimeError`s
 _WORDS = ('gloo', 'Gloo', 'nccl', 'NCCL', 'Timed out', 'Connection closed', 'Connection reset', 'pair closure')
@@ -71,7 +70,6 @@ class _Peers:
 
 _peers = _Peers()
 
-
 # %% ../nbs/02a_resume.ipynb #c28a0004
 def name_trainer(who:str):
     "Begin this process's collective errors with `who`, the trainer in use (each trainer names itself when it is made)"
@@ -116,7 +114,6 @@ def stop_watching():
     "End the watch `watch_peers` started (the process leaves its group)"
     _peers.done.set()
 
-
 # %% ../nbs/02a_resume.ipynb #5ecc3a1c
 def agree(x:int)->int:
     "The maximum of `x` over all ranks (the value itself without `torch.distributed`)"
@@ -124,7 +121,6 @@ def agree(x:int)->int:
     t = torch.tensor([int(x)], device=group_device())
     collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX), "agree with the others on whether to stop or save")
     return int(t.item())
-
 
 # %% ../nbs/02a_resume.ipynb #617fde5f
 def share_checkpoint(state:dict|None, # the checkpoint on rank `src`; ignored on the other ranks
