@@ -5,9 +5,7 @@ from torch import nn
 from fastai.basics import *
 from fastai.callback.all import *
 from fastai.test_utils import synth_dbunch
-import resumable_train
-from resumable_train.autoresume import AutoResume
-from resumable_train.state import to_plain
+from killrerun import plain
 
 p = argparse.ArgumentParser()
 p.add_argument('--dir', required=True)
@@ -17,8 +15,9 @@ p.add_argument('--every', type=int, default=3)
 p.add_argument('--background', action='store_true')
 p.add_argument('--sleep', type=float, default=0.0, help='seconds to sleep in each training batch')
 p.add_argument('--slow-write', type=float, default=0.0, help='seconds each checkpoint write stays unfinished')
-p.add_argument('--no-resume', action='store_true', help='no AutoResume at all (the uninterrupted reference)')
+p.add_argument('--no-resume', action='store_true', help='stock fastai: the package never imported (the uninterrupted reference)')
 a = p.parse_args()
+if not a.no_resume: from resumable_train.autoresume import AutoResume
 
 if a.slow_write:
     import resumable_train.state as st
@@ -56,6 +55,6 @@ with learn.no_bar():
     else:
         learn.fit_one_cycle(2)
         learn.fit_one_cycle(2, lr_max=3e-3)
-torch.save(to_plain(dict(model=learn.model.state_dict(), opt=learn.opt.state_dict()['state'], values=learn.recorder.values,
+torch.save(plain(dict(model=learn.model.state_dict(), opt=learn.opt.state_dict()['state'], values=learn.recorder.values,
                 losses=learn.recorder.losses, steps=getattr(learn, 'steps', 0))), a.out)
 print('DONE', flush=True)

@@ -3,6 +3,7 @@ import random, re, signal
 from pathlib import Path
 import pytest, torch
 import killrerun as kr
+from forked import StockForker
 from helpers import TESTS, diff_values
 
 SCRIPT = str(TESTS/'autoresume_script.py')
@@ -35,16 +36,20 @@ def csv_rows(d): return [l.rsplit(',', 1)[0] for l in (Path(d)/'history.csv').re
 
 @pytest.fixture(scope='module')
 def refs(tmp_path_factory):
-    "Uninterrupted runs of each schedule, with and without AutoResume (which must not change a bit)"
+    "Uninterrupted runs of each schedule, with AutoResume and as stock fastai in a process that never imports the package (the same bits)"
     d = tmp_path_factory.mktemp('ref')
-    res = {}
-    for sched in ('one_cycle', 'fine_tune', 'two'):
-        res[sched] = d/f'{sched}.pth'
-        lines = run_to_end(d/sched, res[sched], '--sched', sched)
-        res[sched+'_batches'] = len(batches(lines))
-        res[sched+'_csv'] = csv_rows(d/sched)
-    run_to_end(d/'plain', d/'plain.pth', '--no-resume')
-    same(d/'plain.pth', res['one_cycle'])
+    res,stock = {},StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
+    try:
+        for sched in ('one_cycle', 'fine_tune', 'two'):
+            res[sched] = d/f'{sched}.pth'
+            lines = run_to_end(d/sched, res[sched], '--sched', sched)
+            res[sched+'_batches'] = len(batches(lines))
+            res[sched+'_csv'] = csv_rows(d/sched)
+            plain = d/f'{sched}-stock'
+            rc,out = stock.run(SCRIPT, '--dir', plain, '--out', f'{plain}.pth', '--sched', sched, '--no-resume', timeout=90)
+            assert rc == 0, f"stock fastai exited {rc}:\n{out[-3000:]}"
+            same(f'{plain}.pth', res[sched])
+    finally: stock.close()
     return res
 
 def test_kills_one_cycle(refs, tmp_path):

@@ -2,7 +2,7 @@
 with ULMFiT's gradual unfreezing and with `fine_tune` (`SortedDL`): each ends bitwise where the uninterrupted run ends."""
 import random
 import pytest
-from forked import Forker
+from forked import Forker, StockForker
 from helpers import TESTS
 from killrerun import run_to_end, batches, compare, kill_and_rerun, check_kill_and_rerun
 
@@ -14,14 +14,20 @@ def forker(): return Forker(modules=('fastai.basics', 'fastai.callback.all', 'fa
 
 @pytest.fixture(scope='module')
 def refs(forker, tmp_path_factory):
-    "Each task run uninterrupted, with `AutoResume` and without it (which must not change a bit): its batches and its result"
+    """Each task run uninterrupted, with `AutoResume` and as stock fastai in a process that never imports the package (the same bits):
+    its batches and its result"""
     d,res = tmp_path_factory.mktemp('ref'),{}
-    for task in TASKS:
-        lines = run_to_end(forker, SCRIPT, [d/f'{task}.pth', '--task', task], cwd=d/task if (d/task).mkdir() is None else None)
-        run_to_end(forker, SCRIPT, [d/f'{task}-plain.pth', '--task', task, '--no-resume'], cwd=d/task)
-        diffs = compare(d/f'{task}-plain.pth', d/f'{task}.pth')
-        assert not diffs, f"{task}: AutoResume changed the uninterrupted run: {diffs[:5]}"
-        res[task] = batches(lines),d/f'{task}.pth'
+    stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.text.all', 'killrerun'))
+    try:
+        for task in TASKS:
+            lines = run_to_end(forker, SCRIPT, [d/f'{task}.pth', '--task', task], cwd=d/task if (d/task).mkdir() is None else None)
+            (d/f'{task}-stock').mkdir()
+            rc,out = stock.run(SCRIPT, d/f'{task}-plain.pth', '--task', task, '--no-resume', timeout=120, cwd=d/f'{task}-stock')
+            assert rc == 0, f"{task}: stock fastai exited {rc}:\n{out[-3000:]}"
+            diffs = compare(d/f'{task}-plain.pth', d/f'{task}.pth')
+            assert not diffs, f"{task}: AutoResume changed the uninterrupted run: {diffs[:5]}"
+            res[task] = batches(lines),d/f'{task}.pth'
+    finally: stock.close()
     return res
 
 def _epoch_end(ref, b): return b == ref[-1] or ref[ref.index(b)+1][:2] != b[:2]

@@ -6,15 +6,15 @@ freezes layers that hold (zeroed) gradients, which fastai's optimizer still step
 import argparse, random
 import numpy as np, pandas as pd, torch
 from fastai.text.all import *
-from resumable_train.autoresume import AutoResume
 from killrerun import Report, save_result
 
 p = argparse.ArgumentParser()
 p.add_argument('out')
 p.add_argument('--task', choices=['lm', 'ulmfit', 'ulmfit_docs', 'fine_tune'], default='lm')
-p.add_argument('--no-resume', action='store_true', help='no AutoResume at all')
+p.add_argument('--no-resume', action='store_true', help='stock fastai: the package never imported')
 p.add_argument('--then', action='store_true', help='another fit call after the task\'s own')
 a = p.parse_args()
+if not a.no_resume: from resumable_train.autoresume import AutoResume
 
 def corpus(n=160, seed=0):
     "`n` short documents over 12 words; the label says whether the first word is one of the first six"
