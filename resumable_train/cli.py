@@ -95,7 +95,7 @@ import torch
 from torch import nn
 from . import __version__
 from .files import (read_checkpoint, resume_record, CheckpointError, position_text, history_log_info, unpack)
-from .store import as_store, is_url, locate, LocalStore, StoreError, read_runlog, run_summary, timeline
+from .store import as_store, is_url, locate, LocalStore, StoreError, read_runlog, run_story, run_summary, timeline
 
 # %% ../nbs/05_cli.ipynb #268f0f0e
 def digits_learner(path='.', # the folder whose `models/` holds the checkpoints
@@ -303,7 +303,7 @@ def _inspect(a)->int:
 def _runs(store)->dict:
     "The story of each run whose run log is in `store`, by its `fname`: its events and their summary"
     names = sorted(e.name.removesuffix('.runlog') for e in store.ls() if e.name.endswith('.runlog'))
-    return {n: dict(events=(ev := read_runlog(store, n)), summary=run_summary(ev)) for n in names}
+    return {n: dict(events=(ev := run_story(store, n)), summary=run_summary(ev)) for n in names}
 
 def _from1(e:dict)->dict:
     "A run log's event numbered as the text numbers it: fit calls and epochs from 1 (the log counts them from 0)"

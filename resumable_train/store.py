@@ -15,7 +15,7 @@ from .files import write_checkpoint, read_checkpoint, CheckpointError, WriteCanc
 
 # %% auto #0
 __all__ = ['Entry', 'MANIFEST', 'Store', 'LocalStore', 'StoreError', 'FsspecStore', 'is_url', 'as_store', 'locate', 'runlog_name',
-           'read_text', 'write_text', 'read_runlog', 'point_at', 'RunLog', 'run_summary', 'timeline']
+           'read_text', 'write_text', 'read_runlog', 'run_story', 'point_at', 'RunLog', 'run_summary', 'timeline']
 
 # %% ../nbs/00a_store.ipynb #33a68975
 Entry = namedtuple('Entry', 'name size modified complete')
@@ -502,6 +502,26 @@ def _read_reach(store, fname)->dict|None:
     except (AttributeError, OSError, struct.error): return None
     return dict(fit=fit, epoch=epoch, iter=it, train_iter=train_iter, time=t)
 
+def _killed(reach:dict|None)->dict:
+    "The event of a process gone while it trained, where its reach mark says it got"
+    return dict(event='killed', **({} if reach is None else {**reach, 'time': None, 'reached': round(reach['time'], 3)}))
+
+def _in_use(store, fname)->bool:
+    "Does a process hold run `fname`'s lock in local `store` (this one too)?"
+    f = (store.folder/f'.{fname}.lock').absolute()
+    if str(f) in _held: return True
+    try: fd = os.open(f, os.O_RDWR|os.O_CLOEXEC)
+    except OSError: return False
+    try: fcntl.lockf(fd, fcntl.LOCK_EX|fcntl.LOCK_NB); return False
+    except OSError: return True
+    finally: os.close(fd)  # which lets it go again
+
+def run_story(store, fname:str)->list:
+    "The events of run `fname`, and the kill a rerun would record now when the process that trained last is gone (a local folder)"
+    events = read_runlog(store, fname)
+    if not (events and events[-1]['event'] in _TRAINING and store.local) or _in_use(store, fname): return events
+    return events + [_killed(_read_reach(store, fname))]
+
 def _twice(reach:dict|None, fit:int, start:int)->int|None:
     "How many batches the process before trained past `start`, where fit call `fit` starts now; `None` if unknown"
     if reach is None: return None
@@ -544,13 +564,12 @@ class RunLog:
             warnings.warn(f"AutoResume could not read the run log {self._url()}: {e}")
             data = b''
         self.torn,events = bool(data) and not data.endswith(b'\n'),_events(data)
-        if fresh and any(e['event'] not in ('started', 'killed') for e in events):  # its resume points were deleted
+        if fresh and events:  # a run's first fit call, no resume point: a new run (the files deleted), whatever the old log says
             write_text(self.store, runlog_name(self.fname), '')
             self.torn,events = False,[]
-        reach = _read_reach(self.store, self.fname)
+        reach = _read_reach(self.store, self.fname) if events else None  # a new story: the old reach mark is not its own
         prev = next((e for e in reversed(events) if e['event'] in _TRAINING), None)
-        if events and events[-1]['event'] in _TRAINING:
-            self.add('killed', **({} if reach is None else {**reach, 'time': None, 'reached': round(reach['time'], 3)}))
+        if events and events[-1]['event'] in _TRAINING: self.add(**_killed(reach))
         start = at['train_iter'] if at else 0
         twice = _twice(reach, fit, start) if events else 0
         since = max(at['time'] if at else 0, prev['time'] if prev else 0)
