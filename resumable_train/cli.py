@@ -396,7 +396,7 @@ def _walkthrough(a)->int:
     return 0
 
 # %% ../nbs/05_cli.ipynb #80205147
-def _train(folder:Path, epochs:int, kill_at:int|None=None, table:bool=True):
+def _train(folder:Path, epochs:int, kill_at:int|None=None, table:bool=True, every:int|None=None):
     "A process of the self-check: train the demo in `folder` (SIGKILL itself after batch `kill_at`), write its weights' digest"
     AutoResume = _quiet_imports()
     from resumable_train.fitcalls import forget_runs
@@ -407,7 +407,7 @@ def _train(folder:Path, epochs:int, kill_at:int|None=None, table:bool=True):
         def __init__(self, n): self.n = n
         def after_batch(self):
             if self.training and self.train_iter == self.n: sys.stdout.flush(); os.kill(os.getpid(), signal.SIGKILL)
-    learn = digits_learner(folder, cbs=[AutoResume(), *([_Kill(kill_at)] if kill_at else [])])
+    learn = digits_learner(folder, cbs=[AutoResume(every_iter=every), *([_Kill(kill_at)] if kill_at else [])])
     if table: learn.fit_one_cycle(epochs, 3e-2)
     else:
         with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, 3e-2)
@@ -430,18 +430,20 @@ def _demo(a)->int:
     killed,ref = (a.dir/'killed').absolute(),(a.dir/'uninterrupted').absolute()
     for d in (killed, ref): shutil.rmtree(d, ignore_errors=True)  # the check starts afresh
     n_iter = len(digits_learner(killed).dls.train)
-    total = a.epochs*n_iter
-    kill_at = random.randint(n_iter+1 if a.epochs > 1 else 1, total-1)  # after the first resume point, if there are two epochs
+    total,every = a.epochs*n_iter,max(1, n_iter//4)  # four resume points an epoch: most kills resume inside an epoch
+    # after the first resume point; not from `random`, which building the Learner seeded
+    kill_at = random.SystemRandom().randint(every+1, total-1)
     ep,it = divmod(kill_at-1, n_iter)
     print(f"Training a small CNN on scikit-learn's digits for {a.epochs} epoch{'s'*(a.epochs != 1)} ({total} batches), "
-          f"with resume points in {killed/'models'}; it kills itself with SIGKILL after batch {kill_at} "
-          f"(epoch {ep+1}/{a.epochs}, batch {it+1}/{n_iter}).")
-    rc = _in_child(_train, killed, a.epochs, kill_at)
+          f"with a resume point every {every} batches in {killed/'models'}; it kills itself with SIGKILL after batch "
+          f"{kill_at} (epoch {ep+1}/{a.epochs}, batch {it+1}/{n_iter}).")
+    rc = _in_child(_train, killed, a.epochs, kill_at, True, every)
     if rc != -signal.SIGKILL: return _err(f"the run to be killed ended with exit status {rc}")
     print(f"\nKilled by SIGKILL after batch {kill_at}. The same training again, as a rerun of the killed script:")
-    if rc := _in_child(_train, killed, a.epochs): return _err(f"the rerun ended with exit status {rc}")
+    if rc := _in_child(_train, killed, a.epochs, None, True, every): return _err(f"the rerun ended with exit status {rc}")
     print(f"An uninterrupted run of the same demo, in {ref}, to compare with:")
-    if rc := _in_child(_train, ref, a.epochs, None, False): return _err(f"the uninterrupted run ended with exit status {rc}")
+    if rc := _in_child(_train, ref, a.epochs, None, False, every):
+        return _err(f"the uninterrupted run ended with exit status {rc}")
     got,want = (killed/'digest').read_text(),(ref/'digest').read_text()
     same = got == want
     print(f"same weights as an uninterrupted run: {'yes' if same else 'no'} (digest {got}"
