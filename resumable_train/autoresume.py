@@ -491,7 +491,7 @@ from .resume import *
 from .hooks import hide_probes, hide_progress, LeanCallback
 from .resume import read_on_rank0, restore_streams, restore_grads, fit_position, SeedBatches
 from .workers import WorkerStreams, stampable
-from .fitcalls import setup_diff, fit_plan, check_plan, FitCalls, run_state, start_digest
+from .fitcalls import setup_diff, fit_plan, check_plan, FitCalls, RunState, run_state, start_digest, user_stacklevel
 from .learner import *
 from .learner import log_history, load_through, bypassed, plan_resume
 from .store import RunLog, point_at
@@ -885,7 +885,7 @@ class AutoResume(LeanCallback):
             f"AutoResume: fit call {i+2} comes after a stage this process loaded from a cache (fit call {i+1} was not made "
             f"here), and trains on other data than fit call {i+1} did ({'; '.join(diff)}). If the script changes its "
             "DataLoaders in the branch that loading the stage skips, change them in the loading branch too: the package "
-            "cannot tell, and this run would end elsewhere than one that trained the stage")
+            "cannot tell, and this run would end elsewhere than one that trained the stage", stacklevel=user_stacklevel())
 
     def _hypers_changed(self, saved, plan, file, then):
         "Warn, or with `strict_hypers` refuse, when this fit call was asked for other hyperparameters than `file`'s"
@@ -932,7 +932,8 @@ class AutoResume(LeanCallback):
             _warned.add(qualname(type(cb)))  # once a process
             warnings.warn(f"AutoResume: callback {type(cb).__name__} changed its attributes {', '.join(changed)} while "
                           "training, but has no state_dict: resume points do not keep them, so a resumed run may end "
-                          f"elsewhere. Give {type(cb).__name__} state_dict() and load_state_dict() (or register_state)")
+                          f"elsewhere. Give {type(cb).__name__} state_dict() and load_state_dict() (or register_state)",
+                          stacklevel=user_stacklevel())
 
     def _write(self, ck, name, start=None):
         "Write the resume point `ck` as `name`, and start the history log it could not append to"

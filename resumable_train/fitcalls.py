@@ -185,7 +185,7 @@ def check_plan(saved, now, file, strict=False, # refuse (or warn)
     if not ch: return
     msg = f"{who} was asked for other hyperparameters than {file} was written with ({'; '.join(ch)})"
     if strict: raise CheckpointError(f"{msg}. To continue it, undo the change; to start fresh, {fresh}")
-    warnings.warn(f"{msg}; {then} (strict_hypers=True refuses)", stacklevel=2)
+    warnings.warn(f"{msg}; {then} (strict_hypers=True refuses)", stacklevel=user_stacklevel())
 
 # %% ../nbs/02_fitcalls.ipynb #4c53dce1
 import hashlib, itertools, os, re, sys
@@ -213,6 +213,12 @@ def _user_frame(f=None):
     f = f or sys._getframe(1)
     while f is not None and f.f_globals.get('__name__', '').partition('.')[0] in _LIBS: f = f.f_back
     return f
+
+def user_stacklevel()->int:
+    "The `stacklevel` that shows the caller's warning at the user's line (`_user_frame`), not at the package's"
+    f,n = sys._getframe(1),1
+    while f is not None and f.f_globals.get('__name__', '').partition('.')[0] in _LIBS: f,n = f.f_back,n+1
+    return n
 
 _runs = itertools.count()  # numbers for the runs of code outside IPython
 
