@@ -512,7 +512,8 @@ def _stem(file):
     return file.absolute().with_suffix('') if isinstance(file, Path) else file.removesuffix('.pth')
 
 def _refusal(folder, fname, what):
-    return CheckpointError(f"{what}. To start fresh, delete {folder}/{fname}-*.pth or give AutoResume another fname")
+    return CheckpointError(f"{what}. To start fresh, run `resumable-train clean {folder} --fname {fname}` (it removes the run's "
+                           "files) or give AutoResume another fname")
 
 def _different_run(folder, fname, diff):
     return _refusal(folder, fname, f"{folder} holds resume points of a different run ({diff})")
@@ -828,7 +829,8 @@ class AutoResume(LeanCallback):
         last = rec['fit_index'] == i and rec['epoch'] is None  # the files hold nothing after this call: one message says all
         self._say(f"AutoResume: fit call {i+1} finished {when}; its end state is loaded from {where}" + (
             f" ({_describe(end_rec)}), the last the run's files hold, and nothing is trained: a fit call after it trains on "
-            f"from there; to train again from the start, delete {self.folder}/{self.fname}-*.pth" if last else ''))
+            f"from there; to train again from the start, run `resumable-train clean {self.folder} --fname {self.fname}`"
+            if last else ''))
         self.state = 'skipping'
         self.learn.resume.skip()
 
@@ -890,7 +892,7 @@ class AutoResume(LeanCallback):
     def _hypers_changed(self, saved, plan, file, then):
         "Warn, or with `strict_hypers` refuse, when this fit call was asked for other hyperparameters than `file`'s"
         check_plan(saved, plan, file, self.strict_hypers, who=f"AutoResume: fit call {self.fit_index+1}", then=then,
-                   fresh=f"delete {self.folder}/{self.fname}-*.pth or give AutoResume another fname")
+                   fresh=f"run `resumable-train clean {self.folder} --fname {self.fname}` or give AutoResume another fname")
 
     # ---- writing
     def _save(self, end:bool=False, # the end of the fit call, which the ledger keeps

@@ -95,7 +95,8 @@ import torch
 from torch import nn
 from . import __version__
 from .files import (read_checkpoint, resume_record, CheckpointError, position_text, history_log_info, unpack)
-from .store import as_store, is_url, locate, LocalStore, StoreError, read_runlog, run_story, run_summary, timeline
+from .store import (as_store, is_url, locate, LocalStore, StoreError, read_runlog, run_story, run_summary, timeline,
+                                   clean_run)
 
 # %% ../nbs/05_cli.ipynb #268f0f0e
 def digits_learner(path='.', # the folder whose `models/` holds the checkpoints
@@ -451,6 +452,13 @@ def _demo(a)->int:
     return 0 if same else 1
 
 # %% ../nbs/05_cli.ipynb #b83d867b
+def _clean(a)->int:
+    "`clean`: remove every file of a run (resume points, history logs, run log), so that its script starts afresh"
+    try: store = _store(a.dir); names = clean_run(store, a.fname)
+    except (StoreError, ValueError, RuntimeError, OSError) as e: return _err(e)
+    print(f"removed {len(names)} file{'s'*(len(names) != 1)} of run {a.fname!r} from {store.url}" + (f": {', '.join(names)}" if names else ''))
+    return 0
+
 def _plot(a)->int:
     "`plot`: matplotlib is imported here, not when the command starts"
     try: plot_run(_store(a.dir), a.out, fname=a.fname)
@@ -463,7 +471,7 @@ def _parser():
     p = argparse.ArgumentParser(prog='resumable-train',
                                 description="Exact resume for fastai training: look inside checkpoints, list and plot runs, run the demo")
     p.add_argument('--version', action='version', version=f"resumable-train {__version__}")
-    sub = p.add_subparsers(dest='cmd', required=True, metavar='{inspect,ls,plot,demo}')
+    sub = p.add_subparsers(dest='cmd', required=True, metavar='{inspect,ls,plot,demo,clean}')
     s = sub.add_parser('inspect', help="what a checkpoint holds")
     s.add_argument('path', help="a .pth file or a .history log, or the URL of a .pth file "
                                 "(s3://bucket/run1/autoresume-0003.pth)")
@@ -474,6 +482,10 @@ def _parser():
                                "or a URL (s3://bucket/run1)")
     s.add_argument('--json', action='store_true', help="print JSON, for scripts")
     s.set_defaults(f=_ls)
+    s = sub.add_parser('clean', help="remove a run's files, so that its script starts afresh")
+    s.add_argument('dir', help="as for ls: a folder of resume points, a Learner's path, or a URL")
+    s.add_argument('--fname', default='autoresume', help="the name AutoResume was given (default: %(default)s)")
+    s.set_defaults(f=_clean)
     s = sub.add_parser('plot', help="draw a run's loss, metrics and interruptions")
     s.add_argument('dir', help="as for ls: a folder of resume points, a Learner's path, or a URL")
     s.add_argument('-o', '--out', default='run.png', help="the PNG file to write (default: %(default)s)")

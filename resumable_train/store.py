@@ -15,7 +15,8 @@ from .files import write_checkpoint, read_checkpoint, CheckpointError, WriteCanc
 
 # %% auto #0
 __all__ = ['Entry', 'MANIFEST', 'Store', 'LocalStore', 'StoreError', 'FsspecStore', 'is_url', 'as_store', 'locate', 'runlog_name',
-           'read_text', 'write_text', 'read_runlog', 'run_story', 'point_at', 'RunLog', 'run_summary', 'timeline']
+           'read_text', 'write_text', 'read_runlog', 'run_files', 'clean_run', 'run_story', 'point_at', 'RunLog',
+           'run_summary', 'timeline']
 
 # %% ../nbs/00a_store.ipynb #33a68975
 Entry = namedtuple('Entry', 'name size modified complete')
@@ -515,6 +516,24 @@ def _in_use(store, fname)->bool:
     try: fcntl.lockf(fd, fcntl.LOCK_EX|fcntl.LOCK_NB); return False
     except OSError: return True
     finally: os.close(fd)  # which lets it go again
+
+def run_files(store, fname:str)->list:
+    "The names of every file of run `fname` in `store`: resume points, history logs, run log (and, in a folder, its reach mark)"
+    pat = re.compile(rf'{re.escape(fname)}(-\d+\.pth|-fit\d+\.history|\.runlog|\.reach)')
+    return [e.name for e in store.ls() if pat.fullmatch(e.name)]
+
+def clean_run(store, fname:str)->list:
+    "Remove every file of run `fname` from `store` (`run_files`, and unfinished writes), refusing while a process trains it"
+    if store.local and _in_use(store, fname):
+        raise RuntimeError(f"{store.url} is in use: a process of this machine is training run '{fname}' there; stop it first")
+    store.lock(fname)  # refuses, naming the process, while another holds it
+    try:
+        names = run_files(store, fname)
+        for n in names: store.remove(n)
+        if store.local:
+            for p in _tmp_files(store.folder, fname): p.unlink(missing_ok=True)
+    finally: store.unlock(fname)
+    return names
 
 def run_story(store, fname:str)->list:
     "The events of run `fname`, and the kill a rerun would record now when the process that trained last is gone (a local folder)"

@@ -153,7 +153,7 @@ def test_changed_lr(forker, refs, tmp_path):
     rc,lines = run_until(forker, SCRIPT, [out, '--lr', '3e-2', '--strict'], cwd=run)
     t = text(lines)
     assert rc != 0 and 'was asked for other hyperparameters' in t and '(lr_max: saved 0.01, now 0.03)' in t, t[-2000:]
-    assert 'To continue it, undo the change; to start fresh, delete' in t and batches(lines) == []
+    assert 'To continue it, undo the change; to start fresh, run `resumable-train clean' in t and batches(lines) == []
     assert {p.name: p.read_bytes() for p in (run/'models').glob('*.pth')} == files
     lines = run_to_end(forker, SCRIPT, [out, '--lr', '3e-2'], cwd=run)
     assert '(lr_max: saved 0.01, now 0.03)' in text(lines) and 'matches neither run' in text(lines)
@@ -263,7 +263,7 @@ def test_missing_ledger_end_refused(forker, tmp_path):
     t = text(lines)
     assert rc != 0 and batches(lines) == [], t[-2000:]
     assert f'fit call 1 finished in an earlier run, but its end state cannot be loaded: models/{end0.name} does not exist' in t, t[-2000:]
-    assert 'To start fresh, delete models/autoresume-*.pth' in t
+    assert 'To start fresh, run `resumable-train clean models --fname autoresume`' in t
 
 def refused_rerun(forker, run, out, *args)->str:
     "Kill the script after 5 batches, then run it again with `args`: refused before any batch; returns its output"
@@ -291,4 +291,4 @@ def test_model_changed_in_rerun(forker, refs, tmp_path, args, diff):
     "A model with the same parameter shapes but another activation or dropout is another run: refused, naming the module that differs"
     run,out = tmp_path/'run',tmp_path/'out.pth'
     t = refused_rerun(forker, run, out, *args)
-    assert f'holds resume points of a different run (fit call 1 {diff})' in t and 'To start fresh, delete models/autoresume-*.pth' in t, t[-2000:]
+    assert f'holds resume points of a different run (fit call 1 {diff})' in t and 'To start fresh, run `resumable-train clean models --fname autoresume`' in t, t[-2000:]

@@ -114,8 +114,8 @@ def test_start_fresh_then_ls(forker, tmp_path, capsys):
     run = tmp_path/'run'
     rc,lines = rerun_with(forker, tmp_path, [], ['--tfms', 'scale'])  # killed, then rerun with other item transforms
     text = ''.join(lines)
-    assert rc == 1 and 'To start fresh, delete' in text, text[-2000:]
-    for f in (run/'models').glob('autoresume-*.pth'): f.unlink()  # the refusal's fix
+    assert rc == 1 and 'To start fresh, run `resumable-train clean models --fname autoresume`' in text, text[-2000:]
+    for f in (run/'models').glob('autoresume-*.pth'): f.unlink()  # by hand: the resume points alone, as 0.4's refusal said
     run_to_end(forker, SCRIPT, [tmp_path/'out.pth', '--tfms', 'scale'], cwd=run)
     capsys.readouterr()
     assert main(['ls', str(run)]) == 0
