@@ -490,7 +490,7 @@ from .state import qualname
 from .resume import *
 from .hooks import hide_probes, hide_progress, LeanCallback
 from .resume import read_on_rank0, restore_streams, restore_grads, fit_position, SeedBatches
-from .workers import WorkerStreams, stampable
+from .workers import WorkerStreams, keepable
 from .fitcalls import setup_diff, fit_plan, check_plan, FitCalls, RunState, run_state, start_digest, user_stacklevel
 from .learner import *
 from .learner import log_history, load_through, bypassed, plan_resume
@@ -1003,8 +1003,8 @@ class AutoResume(LeanCallback):
         "Add `WorkerStreams` for this fit call when the training DataLoader has workers and the Learner has neither it nor `SeedBatches`"
         dl = self.dls.train
         workers = getattr(getattr(dl, 'fake_l', dl), 'num_workers', 0)  # fastai's DataLoader, or PyTorch's
-        # the workers of a loader that keeps its own position (torchdata's) cannot be stamped: its batches are seeded instead
-        cls = WorkerStreams if stampable(dl) else SeedBatches if workers else None
+        # the workers of a loader that keeps its own position (torchdata's) cannot be kept: its batches are seeded instead
+        cls = WorkerStreams if keepable(dl) else SeedBatches if workers else None
         if cls is None or any(isinstance(cb, (WorkerStreams, SeedBatches)) for cb in self.learn.cbs): return
         self.added = cls()
         self.learn.add_cb(self.added)

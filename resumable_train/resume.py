@@ -643,7 +643,7 @@ from .state import *
 from .state import logged_histories
 from .hooks import fit_events
 from .fitcalls import run_setup, fit_plan_once
-from .workers import stampable
+from .workers import keepable
 
 # %% ../nbs/02a_resume.ipynb #866a68e2
 def _grad_state(p, zeroed=False): return None if p.grad is None else 0 if zeroed or not p.grad.any() else p.grad
@@ -711,7 +711,7 @@ def _worker_streams(learn)->list|None:
     "The streams of the training DataLoader's workers (`WorkerStreams`), which a resume point inside an epoch keeps"
     ws = getattr(learn, 'worker_streams', None)
     if ws is not None and ws.workers is not None: return ws.state()
-    if stampable(learn.dls.train) and not hasattr(learn, 'seed_batches'):
+    if keepable(learn.dls.train) and not hasattr(learn, 'seed_batches'):
         raise TypeError(f"Cannot resume inside an epoch of a training DataLoader with {_workers_of(learn.dls.train)} workers "
                         "without their random streams: add WorkerStreams() to the Learner's callbacks (AutoResume adds it), "
                         "or save at an epoch's end")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pickle, random
 from functools import partial
 import numpy as np, torch
-import fastai.data.load
 from torch.utils.data import get_worker_info
 from fastai.torch_core import set_seed
 from fastai.data.load import DataLoader
@@ -15,44 +14,48 @@ from fastai.callback.core import Callback
 from .state import *
 from .hooks import LeanCallback, internal
 
-_MultiProcessingDataLoaderIter = internal(torch.utils.data.dataloader, '_MultiProcessingDataLoaderIter', 'torch')
-
 # %% auto #0
-__all__ = ['stampable', 'stamp_workers', 'WorkerStreams']
+__all__ = ['keepable', 'keep_workers', 'WorkerStreams']
 
 # %% ../nbs/01b_workers.ipynb #6b6fecb9
-class _Stamped:
-    "A batch made in a DataLoader worker, with the worker's number and its streams once the batch was made"
-    __slots__ = ('b', 'worker', 'streams')
-    def __init__(self, b, worker:int, streams:torch.Tensor): self.b,self.worker,self.streams = b,worker,streams
-
-def _stamp(b):
-    "`b` as a worker sends it: stamped with its streams (in the training process, as it is)"
-    info = get_worker_info()
-    # in a tensor, which goes through shared memory as the batch's tensors do: pickled by value, the 11 kB of streams a batch would
-    # fill the pipe of the workers' queue, and a worker orphaned with a full pipe never ends
-    return b if info is None else _Stamped(b, info.id, _packed(raw_streams()))
+_SLOT = 16384  # bytes of a slot: three streams pickled, about 11 kB
 
 class _Workers:
-    "The streams of a DataLoader's `n` workers in an epoch: after each residue's last trained batch, and where a resumed epoch's start"
-    def __init__(self, n:int): self.n,self.first,self.after,self.start = n,0,[None]*n,None
-    def took(self, s:_Stamped):
-        "The batch of `s`, noting its worker's streams (in the training process)"
-        self.after[(self.first + s.worker) % self.n] = s.streams
-        return s.b
-    def state(self)->list: return [None if s is None else plain_streams(_unpacked(s)) for s in self.after]
+    "The random streams of a DataLoader's `n` workers in an epoch, in a ring of slots in shared memory, one a batch"
+    def __init__(self, n:int, prefetch:int=2):
+        self.n,self.first,self.saved,self.start,self.made = n,0,[None]*n,None,0
+        self.ring = torch.zeros((prefetch+2)*n, _SLOT, dtype=torch.uint8).share_memory_()  # batches the workers may be ahead, and more
+
+    def wrote(self, info):
+        "In worker `info`, once it made a batch: its streams into that batch's slot"
+        b,data = info.id + self.made*self.n,pickle.dumps(raw_streams())
+        self.made += 1
+        slot = self.ring[b % len(self.ring)]
+        slot[:8] = torch.tensor([len(data)]).view(torch.uint8)
+        slot[8:8+len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    def _read(self, b:int)->tuple:
+        slot = self.ring[b % len(self.ring)]
+        return pickle.loads(slot[8:8+int(slot[:8].view(torch.int64))].numpy().tobytes())  # this run's own streams, never a file's
+
+    def state(self, done:int)->list:
+        "The streams a resume point keeps once `done` batches of this iterator are trained, by the residue of the epoch's batch"
+        out = list(self.saved)
+        for j in range(min(done, self.n)):  # worker j's last trained batch: j + m*n <= done-1
+            out[(self.first + j) % self.n] = plain_streams(self._read(j + (done-1-j)//self.n*self.n))
+        return out
+
     def resume(self, saved:list, first:int):
         "An epoch resumed at batch `first`: worker `j` starts from the streams of old worker `(first+j) % n`, or seeded as it"
-        self.first,self.after = first,[None if s is None else _packed(_raw(s)) for s in saved]
-        self.start = [self.after[r] if self.after[r] is not None else r for r in ((first+j) % self.n for j in range(self.n))]
+        self.first,self.saved = first,list(saved)
+        self.start = [_raw(s) if (s := saved[r]) is not None else r for r in ((first+j) % self.n for j in range(self.n))]
+
     def begin(self, info, reseed):
         "In a worker, before its first batch: start from the streams the resumed epoch gives it (`reseed(base, w)`: seeded as `w`)"
+        self.made = 0
         s = None if self.start is None else self.start[info.id]
         if isinstance(s, int): reseed(info.seed - info.id, s)
-        elif s is not None: set_rng_state(plain_streams(_unpacked(s)))
-
-def _packed(raw:tuple)->torch.Tensor: return torch.frombuffer(bytearray(pickle.dumps(raw)), dtype=torch.uint8)
-def _unpacked(t:torch.Tensor)->tuple: return pickle.loads(t.numpy().tobytes())  # this run's own streams, never a file's
+        elif s is not None: set_rng_state(plain_streams(s))
 
 def _raw(s:dict)->tuple:
     "`plain_streams`'s values back as `raw_streams` takes them"
@@ -60,12 +63,14 @@ def _raw(s:dict)->tuple:
            (s['numpy_state'][0], s['numpy_state'][1].numpy().astype(np.uint32), *s['numpy_state'][2:]), s['torch_state'].numpy()
 
 # %% ../nbs/01b_workers.ipynb #ffbc07ba
-def _stamped_batches(create_batches, workers:_Workers, samps):
-    "fastai's `DataLoader.create_batches` in a worker: started where `workers` says, each batch stamped"
+def _written_batches(create_batches, workers:_Workers, samps):
+    "fastai's `DataLoader.create_batches` in a worker: started where `workers` says, each batch's streams written"
     info = get_worker_info()
     if info is None: yield from create_batches(samps); return
     workers.begin(info, lambda base, w: set_seed(base + w))  # as fastai's `_wif` seeds worker `w`
-    yield from map(_stamp, create_batches(samps))
+    for b in create_batches(samps):
+        workers.wrote(info)
+        yield b
 
 class _StartingInit:
     "A PyTorch DataLoader's `worker_init_fn`, then the streams of the resumed epoch's worker"
@@ -79,39 +84,29 @@ class _StartingInit:
         np.random.seed(internal(torch.utils.data._utils.worker, '_generate_state', 'torch')(base, w))
         if self.init is not None: self.init(w)
 
-class _StampingCollate:
-    "A PyTorch DataLoader's `collate_fn`, stamping each batch a worker makes"
-    def __init__(self, collate): self.collate = collate
-    def __call__(self, items): return _stamp(self.collate(items))
-
-class _Unstamping(_MultiProcessingDataLoaderIter):
-    "PyTorch's iterator over a DataLoader's workers, taking each stamped batch's streams off it for its `_Workers`"
-    def __init__(self, loader, workers:_Workers|None=None):
-        super().__init__(loader)
-        self.workers = workers or getattr(getattr(loader, 'd', None), 'worker_streams', None)  # fastai's `_FakeLoader`
-    def __next__(self):
-        b = super().__next__()
-        return self.workers.took(b) if type(b) is _Stamped else b
+class _WritingCollate:
+    "A PyTorch DataLoader's `collate_fn`, writing the streams of each batch a worker makes"
+    def __init__(self, collate, workers:_Workers): self.collate,self.workers = collate,workers
+    def __call__(self, items):
+        b = self.collate(items)
+        if (info := get_worker_info()) is not None: self.workers.wrote(info)
+        return b
 
 # %% ../nbs/01b_workers.ipynb #dbbfd967
-def stampable(dl)->bool:
-    "Does `dl` have workers, new each epoch, whose batches `stamp_workers` can stamp?"
+def keepable(dl)->bool:
+    "Does `dl` have workers, new each epoch, whose streams `keep_workers` can keep?"
     if isinstance(dl, DataLoader): return bool(dl.fake_l.num_workers) and not dl.fake_l.persistent_workers
     return (type(dl) is torch.utils.data.DataLoader and bool(dl.num_workers) and not dl.persistent_workers
             and dl.batch_sampler is not None and not isinstance(dl.dataset, torch.utils.data.IterableDataset))
 
-def stamp_workers(dl)->tuple:
-    "Make the batches of `dl`'s workers carry their streams: `(workers, undo)`, `(None, [])` if `dl` is not `stampable`"
-    if not stampable(dl): return None,[]
+def keep_workers(dl)->tuple:
+    "Make the workers of `dl` write their streams for each batch: `(workers, undo)`; `(None, [])` if `dl` is not `keepable`"
+    if not keepable(dl): return None,[]
     if isinstance(dl, DataLoader):
-        w = _Workers(dl.fake_l.num_workers)
-        old = patch_attrs(dl, create_batches=partial(_stamped_batches, dl.create_batches, w), worker_streams=w)
-        loaders = fastai.data.load._loaders  # fastai's `DataLoader.__iter__` makes its workers' iterator from these
-        fastai.data.load._loaders = (_Unstamping, loaders[1])
-        return w,[partial(unpatch_attrs, dl, old), partial(setattr, fastai.data.load, '_loaders', loaders)]
-    w = _Workers(dl.num_workers)
-    old = patch_attrs(dl, collate_fn=_StampingCollate(dl.collate_fn), worker_init_fn=_StartingInit(dl.worker_init_fn, w),
-                      _get_iterator=partial(_Unstamping, dl, w))
+        w = _Workers(dl.fake_l.num_workers, dl.fake_l.prefetch_factor)
+        return w,[partial(unpatch_attrs, dl, patch_attrs(dl, create_batches=partial(_written_batches, dl.create_batches, w)))]
+    w = _Workers(dl.num_workers, dl.prefetch_factor or 2)
+    old = patch_attrs(dl, collate_fn=_WritingCollate(dl.collate_fn, w), worker_init_fn=_StartingInit(dl.worker_init_fn, w))
     return w,[partial(unpatch_attrs, dl, old)]
 
 # %% ../nbs/01b_workers.ipynb #812bbce3
@@ -121,12 +116,12 @@ class WorkerStreams(LeanCallback):
     def __init__(self): self.workers,self.undo = None,[]
     def before_train(self):
         self.after_train()  # a training phase that an exception ended left its patches
-        self.workers,self.undo = stamp_workers(self.learn.dl)
+        self.workers,self.undo = keep_workers(self.learn.dl)
     def after_train(self):
         for f in reversed(self.undo): f()
         self.undo = []
     def after_fit(self): self.after_train(); self.workers = None
     def state(self)->list|None:
-        "The streams a resume point keeps: after each residue's last trained batch of this epoch"
-        return None if self.workers is None else self.workers.state()
+        "The streams a resume point keeps after the batch just trained: after each residue's last trained batch of this epoch"
+        return None if self.workers is None else self.workers.state(self.learn.iter + 1 - self.workers.first)
     def resume(self, saved:list, first:int): self.workers.resume(saved, first)
