@@ -1,17 +1,32 @@
-"Mixed precision (`to_fp16`, `to_bf16`, a `GradScaler` whose scale changed), killed twice by SIGKILL and rerun: bitwise the uninterrupted run."
+"""Mixed precision (`to_fp16`, `to_bf16`, a `GradScaler` whose scale changed), killed twice by SIGKILL and rerun: bitwise the uninterrupted
+run, which is bitwise stock fastai's (a process that never imports the package)."""
 import random
 import pytest, torch
+from forked import StockForker
 from helpers import TESTS, diff_values
 import killrerun as kr
 
 SCRIPT = str(TESTS/'precision_script.py')
 CASES = [('fp16', 'one_cycle'), ('fp16', 'fine_tune'), ('bf16', 'one_cycle'), ('bf16', 'fine_tune'), ('scaler', 'one_cycle')]
 
+@pytest.fixture(scope='module')
+def stock():
+    s = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'sklearn.datasets', 'killrerun'))
+    yield s
+    s.close()
+
 @pytest.mark.parametrize('precision,sched', CASES, ids=['-'.join(c) for c in CASES])
-def test_kill_and_rerun(forker, tmp_path, precision, sched):
+def test_kill_and_rerun(forker, stock, tmp_path, precision, sched):
     args = [precision, sched]
     ref_out = tmp_path/'ref.pth'
     ref = kr.batches(kr.run_to_end(forker, SCRIPT, [ref_out, *args], cwd=tmp_path))
+    (tmp_path/'stock').mkdir()
+    rc,log = stock.run(SCRIPT, tmp_path/'stock.pth', *args, '--stock', timeout=120, cwd=tmp_path/'stock')
+    assert rc == 0, f"stock fastai exited {rc}:\n{log[-3000:]}"
+    kr.same_as_stock(tmp_path/'stock.pth', ref_out)
+    if precision == 'scaler':  # the scaler's last state and the scales of every step, as stock's
+        d = diff_values(torch.load(f'{tmp_path}/stock.pth.scaler', weights_only=True), torch.load(f'{ref_out}.scaler', weights_only=True))
+        assert not d, d[:5]
     rng = random.Random(precision+sched)
     kills = [rng.randint(4, len(ref)//2) for _ in range(2)]  # each killed run has written a resume point (every_iter=3)
     out = tmp_path/'out.pth'
