@@ -239,6 +239,13 @@ def autoresume_smc(d):
     learn.fit_one_cycle(2)
     return learn, dict(between=between)
 
+def autoresume_course(d):
+    "The fastai course's two stages (`course`), the package side with `AutoResume`: the stage loaded in the process that saved it"
+    learn = make_learner(d, splitter=two_groups, cbs=[] if STOCK else [AutoResume()])
+    learn.freeze(); learn.fit_one_cycle(1); learn.save('stage-1')
+    learn.unfreeze(); learn.load('stage-1'); learn.fit_one_cycle(1, slice(1e-4, 1e-3))
+    return learn, {}
+
 def autoresume_ft(d):
     "`fine_tune` beside SaveModelCallback and EarlyStoppingCallback; the package side with `AutoResume`"
     cbs = [SaveModelCallback(), EarlyStoppingCallback(patience=1)] + ([] if STOCK else [AutoResume()])
@@ -248,7 +255,7 @@ def autoresume_ft(d):
 
 JOBS = {f.__name__: f for f in (course, freezeload, foreign, wdchange, xproc_a, xproc_b, bestfile_a, bestfile_b, strict, withoptnone,
                                  persistent, midsave, export, startepoch_onecycle, startepoch_flatcos, lrfind, autoresume_smc,
-                                 autoresume_ft)}
+                                 autoresume_ft, autoresume_course)}
 
 # What python hides from a user by default (fastai's `load_model` raises numpy's DeprecationWarning for `np.core` at every load)
 HIDDEN = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)

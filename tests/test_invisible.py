@@ -16,7 +16,7 @@ TIMEOUT = 120  # seconds, for each process
 FIRST = ['course', 'freezeload', 'foreign', 'wdchange', 'xproc_a', 'bestfile_a', 'strict', 'withoptnone', 'persistent', 'midsave',
          'export', 'startepoch_onecycle', 'startepoch_flatcos', 'lrfind']
 SECOND = ['xproc_b', 'bestfile_b']  # in another process, after FIRST: they load files of the `_a` jobs
-AUTORESUME = ['autoresume_smc', 'autoresume_ft']  # the package side with AutoResume: run alone, then run again as finished scripts
+AUTORESUME = ['autoresume_smc', 'autoresume_ft', 'autoresume_course']  # the package side with AutoResume: run alone, then run again as finished scripts
 JOBS = FIRST + SECOND + AUTORESUME
 RERUNS = 2
 # What is compared, in this order (the first difference reported is the most telling): the job's own extras come after
