@@ -36,7 +36,7 @@ block() {  # block N WHAT ARGS...: pytest ARGS in one process
   local n=$1 what=$2 t0=$(date +%s) rc=0; shift 2
   echo "== pytest $n ($what): started"
   # each test file's counts as it ends, and what still runs when nothing ended for 25 s (tests/conftest.py, on file descriptor 3)
-  RESUMABLE_TRAIN_PROGRESS_FD=3 python -m pytest -q -rs -p no:cacheprovider --basetemp="$logs/tmp$n" "$@" >"$logs/pytest$n.log" 2>&1 3>&1 \
+  RESUMABLE_TRAIN_PROGRESS_FD=3 python -m pytest -q -rs -p no:cacheprovider --basetemp="$logs/tmp$n" "$@" 3>&1 >"$logs/pytest$n.log" 2>&1 \
     || rc=$?
   grep '^SKIPPED' "$logs/pytest$n.log" | sed 's/^/   /' || true  # why each skipped test was skipped
   echo "== pytest $n ($what): $(tail -n 1 "$logs/pytest$n.log" | tr -d '=' | sed 's/^ *//') ($(( $(date +%s)-t0 ))s in all)"
