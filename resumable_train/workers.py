@@ -10,7 +10,6 @@ import numpy as np, torch
 from torch.utils.data import get_worker_info
 from fastai.torch_core import set_seed
 from fastai.data.load import DataLoader
-from fastai.callback.core import Callback
 from .state import *
 from .hooks import LeanCallback, internal
 
