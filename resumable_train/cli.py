@@ -375,6 +375,7 @@ def _walkthrough(a)->int:
     "`demo --no-kill`: one run, paced for a Ctrl-C by hand"
     AutoResume = _quiet_imports()
     from resumable_train.fitcalls import forget_runs
+    from resumable_train.autoresume import newest_valid
     forget_runs()  # each demo command is a script of its own, also when `main` runs twice in one process
     from fastai.callback.core import Callback
     class _Pause(Callback):
@@ -383,10 +384,13 @@ def _walkthrough(a)->int:
         def after_batch(self):
             if self.training and self.secs: time.sleep(self.secs)
     learn = digits_learner(a.dir.absolute(), cbs=[AutoResume(), _Pause(a.pause)])
-    epochs = f"{a.epochs} epoch{'s'*(a.epochs != 1)}"
-    print(f"Training a small CNN on scikit-learn's digits for {epochs}, with resume points in "
-          f"{learn.path/learn.model_dir}.\n"
-          "Press Ctrl-C at any time, then run the same command again: it continues from the exact batch.")
+    epochs,models = f"{a.epochs} epoch{'s'*(a.epochs != 1)}",learn.path/learn.model_dir
+    _,state = newest_valid(models)
+    rec = None if state is None else resume_record(state)
+    # a run that finished earlier: AutoResume says so, and nothing is there to interrupt
+    if not (rec and rec.get('fit_index') == 0 and rec.get('epoch') is None and rec['fits'][0]['n_epoch'] == a.epochs):
+        print(f"Training a small CNN on scikit-learn's digits for {epochs}, with resume points in {models}.\n"
+              "Press Ctrl-C at any time, then run the same command again: it continues from the exact batch.")
     try: learn.fit_one_cycle(a.epochs, 3e-2)
     except CheckpointError as e: return _err(str(e).splitlines()[-1].strip())  # not fastai's line about the event
     except KeyboardInterrupt:
