@@ -1001,12 +1001,8 @@ class AutoResume(LeanCallback):
 
     def _add_worker_streams(self):
         "Add `WorkerStreams` for this fit call when the training DataLoader has workers and the Learner has neither it nor `SeedBatches`"
-        dl = self.dls.train
-        workers = getattr(getattr(dl, 'fake_l', dl), 'num_workers', 0)  # fastai's DataLoader, or PyTorch's
-        # the workers of a loader that keeps its own position (torchdata's) cannot be kept: its batches are seeded instead
-        cls = WorkerStreams if keepable(dl) else SeedBatches if workers else None
-        if cls is None or any(isinstance(cb, (WorkerStreams, SeedBatches)) for cb in self.learn.cbs): return
-        self.added = cls()
+        if not keepable(self.dls.train) or any(isinstance(cb, (WorkerStreams, SeedBatches)) for cb in self.learn.cbs): return
+        self.added = WorkerStreams()
         self.learn.add_cb(self.added)
 
     def _cleanup(self):

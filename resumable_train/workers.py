@@ -21,13 +21,16 @@ _SLOT = 16384  # bytes of a slot: three streams pickled, about 11 kB
 
 class _Workers:
     "The random streams of a DataLoader's `n` workers in an epoch, in a ring of slots in shared memory, one a batch"
-    def __init__(self, n:int, prefetch:int=2):
-        self.n,self.first,self.saved,self.start,self.made = n,0,[None]*n,None,0
+    def __init__(self, n:int, prefetch:int=2,
+                 keeps_turn:bool=False): # a resumed epoch's worker `w` makes the batches `b % n == w` (torchdata's loader)
+        self.n,self.first,self.saved,self.start,self.made,self.keeps_turn,self.turn = n,0,[None]*n,None,0,keeps_turn,0
         self.ring = torch.zeros((prefetch+2)*n, _SLOT, dtype=torch.uint8).share_memory_()  # batches the workers may be ahead, and more
+
+    def _place(self, w:int)->int: return (w - self.turn) % self.n  # worker `w` makes this iterator's batches `place + m*n`
 
     def wrote(self, info):
         "In worker `info`, once it made a batch: its streams into that batch's slot"
-        b,data = info.id + self.made*self.n,pickle.dumps(raw_streams())
+        b,data = self._place(info.id) + self.made*self.n,pickle.dumps(raw_streams())
         self.made += 1
         slot = self.ring[b % len(self.ring)]
         slot[:8] = torch.tensor([len(data)]).view(torch.uint8)
@@ -45,9 +48,10 @@ class _Workers:
         return out
 
     def resume(self, saved:list, first:int):
-        "An epoch resumed at batch `first`: worker `j` starts from the streams of old worker `(first+j) % n`, or seeded as it"
-        self.first,self.saved = first,list(saved)
-        self.start = [_raw(s) if (s := saved[r]) is not None else r for r in ((first+j) % self.n for j in range(self.n))]
+        "An epoch resumed at batch `first`: each worker starts from the streams of the old worker whose batches it makes, or seeded as it"
+        self.first,self.saved,self.turn = first,list(saved),first % self.n if self.keeps_turn else 0
+        self.start = [_raw(s) if (s := saved[r]) is not None else r
+                      for r in ((first + self._place(j)) % self.n for j in range(self.n))]
 
     def begin(self, info, reseed):
         "In a worker, before its first batch: start from the streams the resumed epoch gives it (`reseed(base, w)`: seeded as `w`)"
@@ -95,8 +99,10 @@ class _WritingCollate:
 def keepable(dl)->bool:
     "Does `dl` have workers, new each epoch, whose streams `keep_workers` can keep?"
     if isinstance(dl, DataLoader): return bool(dl.fake_l.num_workers) and not dl.fake_l.persistent_workers
-    return (type(dl) is torch.utils.data.DataLoader and bool(dl.num_workers) and not dl.persistent_workers
+    return ((type(dl) is torch.utils.data.DataLoader or _torchdata(dl)) and bool(dl.num_workers) and not dl.persistent_workers
             and dl.batch_sampler is not None and not isinstance(dl.dataset, torch.utils.data.IterableDataset))
+
+def _torchdata(dl)->bool: return type(dl).__module__.startswith('torchdata.stateful_dataloader')  # its workers keep their turn
 
 def keep_workers(dl)->tuple:
     "Make the workers of `dl` write their streams for each batch: `(workers, undo)`; `(None, [])` if `dl` is not `keepable`"
@@ -104,7 +110,7 @@ def keep_workers(dl)->tuple:
     if isinstance(dl, DataLoader):
         w = _Workers(dl.fake_l.num_workers, dl.fake_l.prefetch_factor)
         return w,[partial(unpatch_attrs, dl, patch_attrs(dl, create_batches=partial(_written_batches, dl.create_batches, w)))]
-    w = _Workers(dl.num_workers, dl.prefetch_factor or 2)
+    w = _Workers(dl.num_workers, dl.prefetch_factor or 2, keeps_turn=_torchdata(dl))
     old = patch_attrs(dl, collate_fn=_WritingCollate(dl.collate_fn, w), worker_init_fn=_StartingInit(dl.worker_init_fn, w))
     return w,[partial(unpatch_attrs, dl, old)]
 

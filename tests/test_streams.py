@@ -1,5 +1,5 @@
 """Streams and stateful loaders (issue 19), killed twice by SIGKILL with AutoResume and rerun: bitwise the uninterrupted run, which is
-stock fastai's where the package keeps the draws (a real process that never imports the package); a stream without the replay opt-in
+stock fastai's but for the replay opt-in (a real process that never imports the package); a stream without the replay opt-in
 is refused before its first batch."""
 import random
 import pytest, torch
@@ -10,9 +10,9 @@ import killrerun as kr
 SCRIPT = str(TESTS/'stream_script.py')
 SOURCES = ('sdl_map', 'sdl_noisy', 'sdl_iter', 'hf_state', 'hf_replay', 'hf_buffer', 'gen', 'fastai_state', 'fastai_gen', 'gen_buffer', 'gen_workers', 'fastai_buffer', 'wds')
 EVERY = 3  # stream_script.py's AutoResume(every_iter=3)
-# Not compared with stock fastai: the replays (`AutoResume(replay=True)`, an opt-in whose streams draw apart from the training's), and
-# torchdata's StatefulDataLoader over a map-style dataset drawing in its workers (`sdl_noisy`), whose batches `SeedBatches` seeds
-NOT_STOCK = ('hf_replay', 'gen', 'fastai_gen', 'gen_buffer', 'gen_workers', 'fastai_buffer', 'wds', 'sdl_noisy')
+# Not compared with stock fastai: the replays (`AutoResume(replay=True)`, an opt-in whose streams draw apart from the training's); torchdata's
+# StatefulDataLoader over a map-style dataset drawing in its workers (`sdl_noisy`) is, its workers' streams kept by `WorkerStreams`
+NOT_STOCK = ('hf_replay', 'gen', 'fastai_gen', 'gen_buffer', 'gen_workers', 'fastai_buffer', 'wds')
 
 @pytest.fixture(scope='module')
 def forker():
