@@ -1,7 +1,8 @@
 """A tiny training script under fastai's own `DistributedTrainer` (`with learn.distrib_ctx(): ...`), with `AutoResume`, for
 test_fastai_ddp.py: launch it with `torchrun --standalone --nproc_per_node=2 fastai_ddp_train.py OUT ...` or
 `accelerate launch --multi_gpu --num_processes 2 fastai_ddp_train.py OUT ...` (on a CPU with `ACCELERATE_USE_CPU=1`), or fork its
-ranks. Each rank writes OUT/rank{R}.pt with its final weights, optimizer state, Recorder values and the files it wrote while training."""
+ranks. Each rank writes OUT/rank{R}.pt with its final weights, optimizer state, Recorder values and the files it wrote while training.
+With `--stock`, stock fastai: the package never imported, no `AutoResume`."""
 import argparse, os, signal, sys, time
 from functools import partial
 from pathlib import Path
@@ -22,6 +23,7 @@ p.add_argument('--elastic', action='store_true')      # AutoResume(elastic=True)
 p.add_argument('--fp16', action='store_true')          # learn.to_fp16()
 p.add_argument('--timeout', type=float, default=20)    # seconds a rank waits for the others in a collective call
 p.add_argument('--nodes', default='shared', choices=['shared', 'own', 'swapped'])   # one run folder, or each rank its own (run0, run1)
+p.add_argument('--stock', action='store_true')        # stock fastai: the package never imported
 args = p.parse_args()
 out = Path(args.out); (out/'run').mkdir(parents=True, exist_ok=True)
 rank = int(os.environ.get('RANK', 0))
@@ -31,7 +33,10 @@ from fastai.callback.all import *
 from fastai.distributed import *
 from datetime import timedelta
 from accelerate.utils import InitProcessGroupKwargs
-from resumable_train.autoresume import AutoResume
+if not args.stock: from resumable_train.autoresume import AutoResume
+elif not torch.cuda.is_available():   # stock fastai's DistributedDL broadcasts its order on CUDA (nccl); on a CPU (gloo): on the CPU
+    def _broadcast(self, t, rank): t = torch.LongTensor(t); torch.distributed.broadcast(t, rank); return t.tolist()
+    DistributedDL._broadcast = _broadcast
 from apps_script import digits_folder
 from helpers import Writes
 writes = Writes()   # the files this rank writes while training
@@ -54,7 +59,7 @@ def xresnet():
     return vision_learner(dls, partial(xresnet18, widen=0.25), pretrained=False, metrics=accuracy, lr=1e-3)
 
 class Test(Callback):
-    order = AutoResume.order+1
+    order = 96  # after AutoResume (95)
     def after_batch(self):
         if not self.training: return
         step = self.learn.auto_resume.fit_index*len(self.dls.train) + self.train_iter   # counted over fine_tune's two fit calls
@@ -70,7 +75,7 @@ learn = (mlp if args.model == 'mlp' else xresnet)()
 # each rank a node without a shared disk: its own folder, or the other rank's (rank 0 relaunched on the other node)
 learn.path = out/('run' if args.nodes == 'shared' else f"run{rank if args.nodes == 'own' else 1-rank}")
 torch.manual_seed(1000 + rank)   # each rank its own random streams (dropout, augmentations), which a resume must give back to each
-learn.add_cbs([Test(), AutoResume(every_iter=args.every or None, elastic=args.elastic)])
+if not args.stock: learn.add_cbs([Test(), AutoResume(every_iter=args.every or None, elastic=args.elastic)])
 if args.fp16: learn.to_fp16()
 writes.on = True
 try:
@@ -83,5 +88,6 @@ except (SystemExit, KeyboardInterrupt) as e:   # a stop by a signal: 128+signal,
     raise
 writes.on = False
 res = dict(writes=list(writes), model={k: v.clone() for k, v in learn.model.state_dict().items()}, opt=learn.opt.state_dict(),
-           values=learn.recorder.values, lrs=learn.recorder.lrs, train_iter=learn.train_iter, trained=learn.auto_resume.resumed_iter)
+           values=learn.recorder.values, lrs=learn.recorder.lrs, train_iter=learn.train_iter,
+           trained=None if args.stock else learn.auto_resume.resumed_iter)
 torch.save(res, out/f'rank{rank}.pt')

@@ -1,7 +1,7 @@
 """fastai's own `DistributedTrainer` (`with learn.distrib_ctx(): ...`, over Accelerate) with `AutoResume`, two ranks on CPU (gloo):
 killed on every rank twice, on one rank, Ctrl-C (SIGINT to every rank), SIGTERM to every process (as Slurm sends it), another
 number of processes. The ranks are children forked from the test process as in test_distributed.py; the two launchers, `torchrun`
-and `accelerate launch`, are real. Every launch is bounded and its processes killed on timeout."""
+and `accelerate launch`, are real. The uninterrupted runs are also compared with stock fastai's (2 real processes without the package). Every launch is bounded and its processes killed on timeout."""
 import os, signal, time
 import pytest
 from helpers import PY, TESTS, start, finish, diff_values
@@ -19,6 +19,15 @@ def ranks(forker, out, *args, ok=True, timeout=120):
     res = wait_ranks(start_ranks(forker, out, *args, script=SCRIPT, env=CPU), timeout)
     if ok: assert all(rc == 0 for rc,_ in res), why(res)
     return res
+
+def stock_ranks(out, *args, n=2, timeout=120)->list:
+    "Run `n` ranks of the script as stock fastai (real processes that never import the package) to their end; the results of each"
+    port = free_port()
+    env = lambda r: dict(CPU, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    ps = [start([PY, SCRIPT, out, '--timeout', '60', *args, '--stock'], env=env(r)) for r in range(n)]
+    res = [finish(p, timeout) for p in ps]
+    assert all(rc == 0 for rc,_,_ in res), '\n'.join(f"rank {r}: exit {rc}\n{err[-2000:]}" for r,(rc,_,err) in enumerate(res))
+    return results(out, n)
 
 def results(out, n=2): return [torch_load(out/f'rank{r}.pt') for r in range(n)]
 
@@ -38,6 +47,7 @@ def test_kill_every_rank_twice(forker, tmp_path, model, fit):
     a = ('--model', model, '--fit', fit)
     ref,run = tmp_path/'ref',tmp_path/'run'
     ranks(forker, ref, *a)
+    assert_same(stock_ranks(tmp_path/'stock', *a), results(ref))   # with AutoResume, uninterrupted: stock fastai's bits
     r0,r1 = results(ref)
     assert any('autoresume-' in f for f in r0['writes']) and not [f for f in r1['writes'] if f.startswith(str(ref/'run'))], r1['writes']
     kill = lambda at: ranks(forker, run, *a, '--kill-rank', '-2', '--kill-at', str(at), ok=False)
