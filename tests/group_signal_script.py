@@ -1,12 +1,14 @@
-"A training script whose DataLoader workers read slow items, for the tests that signal the whole process group (issue 23)."
+"""A training script whose DataLoader workers read slow items, for the tests that signal the whole process group (issue 23).
+
+It writes `killrerun.save_result` to `--out`. `--stock` trains the same run as stock fastai: the package never imported, no `AutoResume`,
+nothing signalled."""
 import argparse, os, signal, threading, time
 import torch
 from torch import nn
 from fastai.basics import *
 from fastai.callback.all import *
 from sklearn.datasets import load_digits
-from resumable_train.autoresume import AutoResume
-from resumable_train.state import to_plain
+from killrerun import save_result
 
 p = argparse.ArgumentParser()
 p.add_argument('--dir', required=True)
@@ -15,7 +17,10 @@ p.add_argument('--signal', default='SIGTERM', help='the signal sent to the whole
 p.add_argument('--at', type=int, default=-1, help='send it shortly after this batch (counted over training and validation from 0)')
 p.add_argument('--delay', type=float, default=0.002, help='seconds after that batch: the main process is then waiting for data')
 p.add_argument('--item-secs', type=float, default=0.003, help='seconds each item takes to read, as decoding an image would')
+p.add_argument('--stock', action='store_true', help='stock fastai: the package never imported (no --at)')
 a = p.parse_args()
+if a.stock and a.at >= 0: p.error('a --stock run is never signalled')
+if not a.stock: from resumable_train.autoresume import AutoResume
 
 class SlowItems:
     "Digits as (image, label) pairs that take `item_secs` each to read"
@@ -26,9 +31,10 @@ class SlowItems:
         return self.x[i], self.y[i]
 
 class GroupSignal(Callback):
-    "Count batches, print each trained one, and signal the whole process group (workers included) after batch `at`"
-    order = AutoResume.order - 1
+    "Count batches and optimizer steps, print each trained batch, and signal the whole process group (workers included) after batch `at`"
+    order = Callback.order if a.stock else AutoResume.order - 1
     def __init__(self): self.n,self.trained = 0,0
+    def after_step(self): self.learn.steps = getattr(self.learn, 'steps', 0) + 1
     def after_batch(self):
         if self.training:
             self.trained += 1
@@ -46,8 +52,7 @@ dls = DataLoaders.from_dsets(SlowItems(x[:160], y[:160]), SlowItems(x[160:208], 
 model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 10))
 gs = GroupSignal()
 learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, path=a.dir,
-                cbs=[gs, AutoResume(every_iter=1000)])
+                cbs=[gs] + ([] if a.stock else [AutoResume(every_iter=1000)]))
 with learn.no_bar(): learn.fit_one_cycle(2, 1e-2)
-torch.save(to_plain(dict(model=learn.model.state_dict(), opt=learn.opt.state_dict()['state'], values=learn.recorder.values,
-                         losses=learn.recorder.losses)), a.out)
+save_result(learn, a.out)
 print('TRAINED', gs.trained, flush=True)

@@ -59,6 +59,20 @@ def check_rc(res, what='process'):
 
 def load_result(f): return torch.load(f, weights_only=False)
 
+def stock_digits_learner():
+    """`resumable_train.cli.digits_learner` for a process that never imports the package (stock fastai): its own code, read from
+    cli.py with `ast` and run without its `import resumable_train.learner` (the package's patches of `Learner`)"""
+    import ast
+    from torch import nn
+    path = ROOT/'resumable_train'/'cli.py'
+    fn = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == 'digits_learner')
+    patches = lambda s: isinstance(s, ast.Import) and [a.name for a in s.names] == ['resumable_train.learner']
+    n,fn.body = len(fn.body),[s for s in fn.body if not patches(s)]
+    assert len(fn.body) == n-1, "digits_learner no longer has the statement `import resumable_train.learner`"
+    ns = dict(torch=torch, nn=nn)  # cli.py's imports that digits_learner uses; it imports the rest itself
+    exec(compile(ast.Module([fn], type_ignores=[]), str(path), 'exec'), ns)
+    return ns['digits_learner']
+
 def diff_values(a, b, path='')->list:
     "Where plain nested values `a` and `b` differ (tensors compared with `torch.equal`, dtype included)"
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):

@@ -2,12 +2,13 @@
 the interrupted call continues, and the result is the uninterrupted run's, bit for bit; or the call is refused, saying why.
 
 `cell_script.py` stands for the notebook: its cell is run (by IPython, or as code a script runs), interrupted at a chosen batch (Ctrl-C
-or a caught exception), and run again. Every run is a child forked by `forked.Forker`.
+or a caught exception), and run again. Every run is a child forked by `forked.Forker`. Each uninterrupted cell is bitwise the same
+cell run by stock fastai (a child of `forked.StockForker`, which never imports the package).
 """
 import pytest, torch
-from forked import Forker
+from forked import Forker, StockForker
 from helpers import TESTS
-from killrerun import run_until, run_to_end, batches, compare
+from killrerun import run_until, run_to_end, batches, compare, same_as_stock
 
 SCRIPT = str(TESTS/'cell_script.py')
 PER_CALL = 6  # 1 epoch of 6 batches
@@ -19,14 +20,25 @@ def text(lines): return ''.join(lines)
 def steps(out): return torch.load(out, weights_only=True)['steps']
 
 @pytest.fixture(scope='module')
-def refs(forker, tmp_path_factory):
-    "The uninterrupted cell of each kind, run once (the one-call cell three times)"
+def stock():
+    "Stock fastai's runs: children of a process that never imports the package"
+    s = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
+    yield s
+    s.close()
+
+@pytest.fixture(scope='module')
+def refs(forker, stock, tmp_path_factory):
+    """The uninterrupted cell of each kind, run once (the one-call cell three times: three fit calls in turn, as stock fastai makes
+    them), each bitwise the same cell run by stock fastai"""
     d,res = tmp_path_factory.mktemp('refs'),{}
     for cell,runs in (('two', 1), ('same', 1), ('loop', 1), ('fine_tune', 1), ('one', 3)):
-        (d/cell).mkdir()
+        (d/cell).mkdir(); (d/f'{cell}-stock').mkdir()
         lines = run_to_end(forker, SCRIPT, [d/f'{cell}.pth', '--cell', cell, '--runs', runs], cwd=d/cell, timeout=90)
         res[cell] = d/f'{cell}.pth'
-        assert len(batches(lines)) == steps(res[cell]) == 2*PER_CALL if cell != 'one' else 3*PER_CALL
+        assert len(batches(lines)) == steps(res[cell]) == (2*PER_CALL if cell != 'one' else 3*PER_CALL)
+        rc,out = stock.run(SCRIPT, d/f'{cell}-stock.pth', '--cell', cell, '--runs', runs, '--stock', timeout=90, cwd=d/f'{cell}-stock')
+        assert rc == 0, f"stock fastai exited {rc}:\n{out[-3000:]}"
+        same_as_stock(d/f'{cell}-stock.pth', res[cell])
     return res
 
 CASES = [(cell, stop, at, False) for cell in ('two', 'fine_tune') for stop in ('sigint', 'error') for at in (3, PER_CALL+3)]

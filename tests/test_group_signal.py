@@ -1,9 +1,12 @@
 """A stop signal sent to the whole process group (Slurm, systemd, `timeout`, `kill -TERM -- -PGID`) reaches the DataLoader workers too:
-the run must still stop at the next safe point with a resume point there, exit 128+signal, and continue bitwise (issue 23)."""
+the run must still stop at the next safe point with a resume point there, exit 128+signal, and continue bitwise (issue 23). The
+uninterrupted run is bitwise stock fastai's (a process that never imports the package)."""
 import random, signal
 from concurrent.futures import ThreadPoolExecutor
-import pytest, torch
-from helpers import TESTS, diff_values
+import pytest
+from forked import StockForker
+from helpers import TESTS
+from killrerun import compare, same_as_stock
 from resumable_train.autoresume import newest_valid
 from resumable_train.files import resume_record
 
@@ -19,15 +22,17 @@ def _run(forker, d, out, *args):
 
 def _trained(text): return sum(l.startswith('BATCH ') for l in text.splitlines())
 
-def _same(ref, out):
-    a,b = torch.load(ref, weights_only=True),torch.load(out, weights_only=True)
-    return diff_values(a, b)
-
 @pytest.fixture(scope='module')
 def reference(forker, tmp_path_factory):
+    "The uninterrupted run, bitwise stock fastai's (`--stock`: in a child of a process that never imports the package)"
     d = tmp_path_factory.mktemp('ref')
     rc,text = _run(forker, d/'run', d/'ref.pt')
     assert rc == 0 and f'TRAINED {N_TRAIN*EPOCHS}' in text, text[-3000:]
+    stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'sklearn.datasets', 'killrerun'))
+    try: rc,text = stock.run(SCRIPT, '--dir', d/'stock', '--out', d/'stock.pt', '--stock', timeout=TIMEOUT)
+    finally: stock.close()
+    assert rc == 0 and f'TRAINED {N_TRAIN*EPOCHS}' in text, f"stock fastai exited {rc}:\n{text[-3000:]}"
+    same_as_stock(d/'stock.pt', d/'ref.pt')
     return d/'ref.pt'
 
 def _batches(seed):
@@ -66,7 +71,7 @@ def _trials(forker, reference, tmp_path, sig):
         rc,text = _run(forker, d, out)
         assert rc == 0, f"{where}, rerun: rc={rc}\n{text[-3000:]}"
         assert _trained(text) == N_TRAIN*EPOCHS - stopped, f"{where}: the rerun trained {_trained(text)} batches"
-        bad = _same(reference, out)
+        bad = compare(reference, out)
         assert not bad, f"{where}: differs from the uninterrupted run: {bad[:5]}"
 
 def test_group_signal(forker, reference, tmp_path):

@@ -2,13 +2,15 @@
 
 `signal_script.py` signals itself at a chosen moment: during a resume point's write (periodic, epoch end, end of a fit call), during
 the stop's own write (a second and a third Ctrl-C), with the writer busy or the folder refusing writes, and after `fit` ended by an
-exception the code caught. Every run is a child forked by `forked.Forker`; each result is compared bitwise with an uninterrupted run.
+exception the code caught. Every run is a child forked by `forked.Forker`; each result is compared bitwise with an uninterrupted run,
+which is bitwise stock fastai's (a child of `forked.StockForker`, which never imports the package).
 """
 import re, signal
 from pathlib import Path
 import pytest, torch
+from forked import StockForker
 from helpers import TESTS
-from killrerun import run_until, run_to_end, batches, compare
+from killrerun import run_until, run_to_end, batches, compare, same_as_stock
 
 SCRIPT = str(TESTS/'signal_script.py')
 PER_FIT = {'one': 12, 'fine_tune': 6}  # batches per fit call: 2 epochs, or 1, of 6 batches
@@ -21,12 +23,22 @@ def batch_count(pos:str)->int:
     return (int(e)-1)*6 + int(b)
 
 @pytest.fixture(scope='module')
-def refs(forker, tmp_path_factory):
-    "The uninterrupted runs"
+def stock():
+    "Stock fastai's runs: children of a process that never imports the package"
+    s = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
+    yield s
+    s.close()
+
+@pytest.fixture(scope='module')
+def refs(forker, stock, tmp_path_factory):
+    "The uninterrupted runs, each bitwise stock fastai's (`--stock`: no `AutoResume`, the package never imported)"
     d,res = tmp_path_factory.mktemp('refs'),{}
     for sched in PER_FIT:
-        (d/sched).mkdir()
+        (d/sched).mkdir(); (d/f'{sched}-stock').mkdir()
         res[sched] = (d/f'{sched}.pth', batches(run_to_end(forker, SCRIPT, [d/f'{sched}.pth', '--sched', sched], cwd=d/sched, timeout=90)))
+        rc,out = stock.run(SCRIPT, d/f'{sched}-stock.pth', '--sched', sched, '--stock', timeout=90, cwd=d/f'{sched}-stock')
+        assert rc == 0, f"stock fastai exited {rc}:\n{out[-3000:]}"
+        same_as_stock(d/f'{sched}-stock.pth', d/f'{sched}.pth')
     return res
 
 def rerun_exact(forker, refs, sched, run, out, after:list):

@@ -1,14 +1,22 @@
 """The device snapshot of `AutoResume(background=True)` (issue 32) on a CPU, with `StandInCopies` in the GPU's place: its order
 (clone in the training loop, then copy and write in the writer's thread, one resume point at a time), its fallback, and a run killed
-twice by SIGKILL and rerun, bitwise the uninterrupted run."""
+twice by SIGKILL and rerun, bitwise the uninterrupted run, which is bitwise stock fastai's (a process that never imports the package)."""
 import random
 import pytest, torch
+from forked import StockForker
 from helpers import TESTS
 import killrerun as kr
 
 SCRIPT = str(TESTS/'snapshot_script.py')
 
 def snaps(lines)->list: return [l.split()[1] for l in lines if l.startswith('SNAP ')]
+
+@pytest.fixture(scope='module')
+def stock():
+    "Stock fastai's runs: children of a process that never imports the package"
+    s = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'sklearn.datasets', 'killrerun'))
+    yield s
+    s.close()
 
 def test_order_and_in_flight(forker, tmp_path):
     "Each resume point: clone, copy, written, before the next clone (one in flight at a time)"
@@ -26,9 +34,14 @@ def test_no_room(forker, tmp_path):
     assert 'no room on the device' in ''.join(l for l in lines if l.startswith('SNAP warning'))
 
 @pytest.mark.parametrize('precision', ['fp32', 'fp16'])
-def test_kill_and_rerun(forker, tmp_path, precision):
+def test_kill_and_rerun(forker, stock, tmp_path, precision):
+    "Uninterrupted, bitwise stock fastai; killed at two seeded batches and rerun: bitwise the uninterrupted run"
     ref_out = tmp_path/'ref.pth'
     ref = kr.batches(kr.run_to_end(forker, SCRIPT, [ref_out, precision], cwd=tmp_path))
+    (tmp_path/'stock').mkdir()
+    rc,log = stock.run(SCRIPT, tmp_path/'stock.pth', precision, '--stock', timeout=120, cwd=tmp_path/'stock')
+    assert rc == 0, f"stock fastai exited {rc}:\n{log[-3000:]}"
+    kr.same_as_stock(tmp_path/'stock.pth', ref_out)
     rng = random.Random(precision)
     kills = [rng.randint(8, len(ref)//2) for _ in range(2)]  # each killed run has written a resume point
     out = tmp_path/'out.pth'

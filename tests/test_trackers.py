@@ -1,9 +1,10 @@
 """A run killed twice at seeded batches and rerun reads as an uninterrupted run (issue 21): TensorBoard's scalars, W&B's
-history, the run log, `resumable-train ls` and `plot`."""
+history, the run log, `resumable-train ls` and `plot`. The uninterrupted run, trackers and all, is bitwise stock fastai's (a process
+that never imports the package)."""
 import contextlib, io, json, random, struct
 from pathlib import Path
 import numpy as np, pytest, torch
-from forked import Forker
+from forked import Forker, StockForker
 from helpers import TESTS
 import killrerun as kr
 from resumable_train.cli import main
@@ -18,10 +19,22 @@ def forker():
     return Forker(('fastai.basics', 'fastai.callback.schedule', 'fastai.callback.tensorboard',
                    'resumable_train.autoresume', 'resumable_train.cli', 'sklearn.datasets', 'killrerun'))
 
-def killed_twice(forker, tmp_path, seed, *kinds, env=lambda run: None):
-    "The batches of an uninterrupted run and of one killed twice at seeded batches, then rerun: `(ref, trained)`"
-    (tmp_path/'ref').mkdir()
+@pytest.fixture(scope='module')
+def stock():
+    "Stock fastai's runs: children of a process that never imports the package"
+    s = StockForker(modules=('fastai.basics', 'fastai.callback.schedule', 'fastai.callback.tensorboard', 'sklearn.datasets',
+                             'killrerun', 'helpers'))
+    yield s
+    s.close()
+
+def killed_twice(forker, stock, tmp_path, seed, *kinds, env=lambda run: None):
+    """The batches of an uninterrupted run (bitwise stock fastai's, in `stock/`) and of one killed twice at seeded batches, then
+    rerun: `(ref, trained)`"""
+    (tmp_path/'ref').mkdir(); (tmp_path/'stock').mkdir()
     ref = kr.batches(kr.run_to_end(forker, SCRIPT, [tmp_path/'ref.pth', *kinds], cwd=tmp_path/'ref', env=env('ref')))
+    rc,log = stock.run(SCRIPT, tmp_path/'stock.pth', *kinds, 'stock', timeout=120, env=env('stock'), cwd=tmp_path/'stock')
+    assert rc == 0, f"stock fastai exited {rc}:\n{log[-3000:]}"
+    kr.same_as_stock(tmp_path/'stock.pth', tmp_path/'ref.pth')
     rng = random.Random(seed)
     kills = [rng.randint(EVERY+1, len(ref)//3) for _ in range(2)]
     trained,snaps = kr.kill_and_rerun(forker, SCRIPT, list(kinds), tmp_path/'run', tmp_path/'out.pth', kills,
@@ -51,14 +64,16 @@ def trained_twice(ref, trained)->list:
     "For each kill: `(batches the killed run had trained, where the next run resumed)`, as `train_iter`s"
     return [(ref.index(prev[-1])+1, ref.index(nxt[0])) for prev,nxt in zip(trained[:-2], trained[1:-1])]
 
-def test_tensorboard_runlog_plot(forker, tmp_path):
-    "TensorBoard reads one folder with the uninterrupted run's scalars; the run log, `ls` and `plot` tell the two kills"
-    ref,trained = killed_twice(forker, tmp_path, 21, 'tb')
-    folders = [list((tmp_path/r/'runs').iterdir()) for r in ('ref', 'run')]
-    assert [len(f) for f in folders] == [1, 1], folders
-    a,b = scalars(folders[0][0]),scalars(folders[1][0])
+def test_tensorboard_runlog_plot(forker, stock, tmp_path):
+    """TensorBoard reads one folder with the uninterrupted run's scalars (stock fastai's); the run log, `ls` and `plot` tell the two
+    kills"""
+    ref,trained = killed_twice(forker, stock, tmp_path, 21, 'tb')
+    folders = [list((tmp_path/r/'runs').iterdir()) for r in ('ref', 'run', 'stock')]
+    assert [len(f) for f in folders] == [1, 1, 1], folders
+    a,b,c = [scalars(f[0]) for f in folders]
     assert {'train_loss', 'valid_loss', 'accuracy', 'lr_0'} <= set(a) and set(a) == set(b)
     for t in a: assert a[t] == b[t], f"{t}: {len(a[t])} events in the uninterrupted run, {len(b[t])} in the resumed one"
+    assert a == c, f"the uninterrupted run's scalars differ from stock fastai's: {[t for t in set(a) | set(c) if a.get(t) != c.get(t)]}"
 
     kills = trained_twice(ref, trained)
     events = read_runlog(tmp_path/'run'/'models')
@@ -123,17 +138,18 @@ def synced(runs)->list:
             if not out or r['_step'] > out[-1]['_step']: out.append(r)
     return [{k: v for k,v in r.items() if k not in TIMING} for r in out]
 
-def test_wandb_offline(forker, tmp_path):
+def test_wandb_offline(forker, stock, tmp_path):
     """W&B offline: one run id across the reruns; a rerun logs from the step it resumed at, each step with the
-    uninterrupted run's values; sent in turn (`wandb sync`), the steps strictly increase"""
+    uninterrupted run's values (stock fastai's); sent in turn (`wandb sync`), the steps strictly increase"""
     pytest.importorskip('wandb')
     env = lambda run: dict(WANDB_MODE='offline', WANDB_DIR=str(tmp_path/f'wandb-{run}'), WANDB_SILENT='true')
-    for run in ('ref', 'run'): (tmp_path/f'wandb-{run}').mkdir()
-    ref,trained = killed_twice(forker, tmp_path, 212, 'wandb', env=env)
+    for run in ('ref', 'run', 'stock'): (tmp_path/f'wandb-{run}').mkdir()
+    ref,trained = killed_twice(forker, stock, tmp_path, 212, 'wandb', env=env)
     rid = (tmp_path/'run'/'models'/'autoresume.wandb-id').read_text().strip()
     runs,(_,want) = wandb_rows(tmp_path/'wandb-run'),*wandb_rows(tmp_path/'wandb-ref')
     assert {n.rpartition('-')[2] for n,_ in runs} == {rid}, [n for n,_ in runs]
     assert len(runs) == 4, [n for n,_ in runs]  # 2 killed, the rest, the rerun after completion
+    assert synced(wandb_rows(tmp_path/'wandb-stock')) == synced([(None, want)]), "the uninterrupted run's history differs from stock's"
     want = {r['_step']: r for r in synced([(None, want)])}
     assert sorted(want) == list(range(len(ref))), "the uninterrupted run logs one step per batch"
     (_,resumed),*_ = trained_twice(ref, trained)[1:]
