@@ -11,7 +11,7 @@ import fastai
 from fastcore.basics import patch, noop
 from fastprogress.fastprogress import ConsoleProgressBar, printing
 from fastai.data.load import DataLoader, _FakeLoader
-from fastai.callback.core import Callback, TrainEvalCallback
+from fastai.callback.core import Callback, TrainEvalCallback, event
 from fastai.learner import Learner, Recorder
 from .state import qualname
 
@@ -91,7 +91,7 @@ def internal(owner, name:str, library:str):
 
 # %% ../nbs/01a_hooks.ipynb #5d4e7ec4
 _fastai = {n: getattr(getattr(Learner, n), '_fastai', getattr(Learner, n))
-           for n in ('_with_events','one_batch','fit')}
+           for n in ('_with_events','one_batch','fit','_call_one')}
 
 class ResumeState:
     "One `Learner`'s resume state: the resume point waiting for the next `fit`, and where the running fit call is"
@@ -105,6 +105,7 @@ class ResumeState:
         self.asked = []  # the optimizer's hyperparameters as the running fit call was asked for them, by group
         self.rested = False  # `learn.load` put back a stage's random streams and gradients (`rest_point`) since the last fit
         self.run = None  # the run (`fitcalls.RunState`) of the last fit call made with `AutoResume`: a stage saved now belongs to it
+        self.sent = (), {}  # the callbacks and their orders, and for each event the callbacks it is sent to (`callbacks`)
     # `learn.export`: a Learner loaded with `load_learner` starts with no resume state
     def __getstate__(self): return {}
     def __setstate__(self, d): self.__init__()
@@ -132,6 +133,15 @@ class ResumeState:
         # in the process that saved it (or any later point of the run) the stage is a plain model file, as in fastai
         if not (isinstance(mark, dict) and isinstance(mark.get('done'), int) and run is not None): return False
         return mark.get('where') == run.where and run.calls.done < mark['done']
+    def callbacks(self, cbs, event_name:str)->list:
+        "The callbacks fastai sends `event_name` to, in its order (`cbs.sorted('order')`), but the `LeanCallback`s that ignore it"
+        cbs = getattr(cbs, 'items', cbs)
+        key = (*map(id, cbs), *[getattr(cb, 'order', 0) for cb in cbs])  # the list below keeps the callbacks, so no id is reused
+        if key != self.sent[0]: self.sent = key,{}
+        out = self.sent[1].get(event_name)
+        if out is None:
+            out = self.sent[1][event_name] = [cb for cb in sorted(cbs, key=lambda o: getattr(o, 'order', 0)) if _sent(cb, event_name)]
+        return out
 
 @patch(as_prop=True)
 def resume(self:Learner)->ResumeState:
@@ -164,6 +174,13 @@ Learner._with_events._fastai = _fastai['_with_events']
 def one_batch(self:Learner, i, b): return _fastai['one_batch'](self, i + self.resume.first_iter, b)
 Learner.one_batch._fastai = _fastai['one_batch']
 
+@patch
+def _call_one(self:Learner, event_name):
+    "fastai's `_call_one`, sorting the callbacks once while they stay the same, and sending a `LeanCallback` only the events it defines"
+    if not hasattr(event, event_name): raise Exception(f'missing {event_name}')
+    for cb in self.resume.callbacks(self.cbs, event_name): cb(event_name)
+Learner._call_one._fastai = _fastai['_call_one']
+
 def fit_events(learn)->FitEvents|None: return next((cb for cb in learn.cbs if isinstance(cb, FitEvents)), None)
 
 class LeanCallback(Callback):
@@ -172,6 +189,10 @@ class LeanCallback(Callback):
     def __call__(self, event_name):
         if getattr(type(self), event_name, None) is not None: return super().__call__(event_name)
         if event_name == 'after_fit': self.run = True  # as fastai's `__call__` sets it back at every fit's end
+
+def _sent(cb, event_name:str)->bool:
+    "Does `cb` do anything at `event_name`? A `LeanCallback` only at the events it defines, and at `after_fit`"
+    return not isinstance(cb, LeanCallback) or event_name == 'after_fit' or getattr(type(cb), event_name, None) is not None
 
 # %% ../nbs/01a_hooks.ipynb #25f89df8
 class _AfterImport(importlib.abc.MetaPathFinder):
