@@ -20,6 +20,8 @@
    one GPU a world of one rank launched by torchrun (`accelerate launch` with one process starts no process group, so `distrib_ctx`
    would add nothing); on 2+ GPUs two ranks under `accelerate launch --multi_gpu`; with `--device cpu`, two gloo ranks under
    `accelerate launch` with `ACCELERATE_USE_CPU=1`.
+8. Issue 40, `resumable-train check` on a CUDA script with a layer that sums with `index_add_` (atomic adds on CUDA): its verdict, as
+   printed (exact where the adds happen to come in one order; else named as training that is not deterministic, with the operation).
 
 Check 1 runs with `AutoResume(background=True)`, in fp16 and in fp32: on a GPU with room, its resume points are device snapshots.
 `--checks 5 1 6` runs only those, in that order.
@@ -174,6 +176,14 @@ def fastai_ddp(device, d):
     backend = 'nccl' if device == 'cuda' else 'gloo'
     return (False, f"{len(bad)} differences: {bad[:5]}") if bad else (True, f"bitwise after every rank was killed ({how}, {backend}, fp16)")
 
+def check_command(device, d):
+    "Check 8: `resumable-train check` on a script with `index_add_` on `device`: the verdict as printed"
+    cmd = [str(Path(sys.executable).parent/'resumable-train'), 'check', '--', sys.executable, str(ROOT/'tests'/'check_script.py'),
+           str(d/'run'), '--defect', 'index_add']
+    rc,out = run(cmd, timeout=500)
+    said = [l for l in out.splitlines() if l and not l.startswith(('check: ', 'fix: '))]
+    return rc in (0, 1) and bool(said), f"exit {rc}: " + ' / '.join(said)
+
 def cuda_rng(device, d):
     "Check 3: CUDA's generators given back by `set_rng_state`"
     import torch
@@ -226,7 +236,8 @@ def main():
               ('save cost and background stall', lambda dev, d: costs(dev, d, a.quick)),
               ('what a resume point costs the training loop (issue 32)', lambda dev, d: issue32(dev, d, a.quick, 'saves')),
               ('resume time (issue 32)', lambda dev, d: issue32(dev, d, a.quick, 'resumes')),
-              ("fastai's distrib_ctx with AutoResume killed and relaunched (issue 31)", fastai_ddp)]
+              ("fastai's distrib_ctx with AutoResume killed and relaunched (issue 31)", fastai_ddp),
+              ("resumable-train check on a script with index_add_ (issue 40)", check_command)]
     for i in a.checks or range(1, len(checks)+1):  # in the order asked for
         name,f = checks[i-1]
         t = time.perf_counter()

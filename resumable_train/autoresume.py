@@ -491,6 +491,7 @@ from .resume import *
 from .hooks import hide_probes, hide_progress, LeanCallback
 from .resume import read_on_rank0, restore_streams, restore_grads, fit_position, SeedBatches
 from .workers import WorkerStreams, keepable
+from .check import checking
 from .fitcalls import setup_diff, fit_plan, check_plan, FitCalls, RunState, run_state, start_digest, user_stacklevel
 from .learner import *
 from .learner import log_history, load_through, bypassed, plan_resume
@@ -637,6 +638,7 @@ class AutoResume(LeanCallback):
     @property
     def store(self):
         "Where the resume points live"
+        if (c := checking()) is not None: return as_store(c.dir)  # `resumable-train check`'s scratch folder
         return as_store(self.learn.path/self.learn.model_dir if self.dir is None else self.dir)
     @property
     def folder(self): return getattr(self.store, 'folder', self.store.url)  # a local folder, or a URL
@@ -664,6 +666,7 @@ class AutoResume(LeanCallback):
         if self.state != 'idle' or hasattr(self.learn, 'lr_finder') or not self.learn.resume.fitting: return
         self._idle()  # every fit call starts from the same state: no signal noted, nothing decided
         self.state = 'looking'
+        if (c := checking()) is not None: self.every_iter,self.every_secs = c.every(len(self.dls.train)),None
         try:
             hide_probes(self.learn)
             check_resumable(self.dls.train)
@@ -747,6 +750,7 @@ class AutoResume(LeanCallback):
             if kind == 'continue': self._continue(file, rec, state)
             self._add_worker_streams()
             self.state,self.last_save = 'training',time.monotonic()
+            if (c := checking()) is not None: c.begin(self.fit_index, self.n_epoch, len(self.dls.train), self.fname, self.resumed_iter)
             self.fit_calls.unfinished = True
             fresh = kind == 'start' and self.fit_index == 0 and file is None
             self.runlog.begin(self.fit_index, (self.n_epoch, self.fits[-1].get('n_iter')), self.resumed_from, fresh=fresh)
@@ -769,6 +773,7 @@ class AutoResume(LeanCallback):
         learn = self.learn  # attributes read here straight from the Learner: through `GetAttr` each read costs a few µs
         if not (self.state == 'training' and learn.training): return
         train_iter = learn.train_iter
+        if (c := checking()) is not None and c.due(self.fit_index, train_iter): self.stop_signals(signal.SIGTERM, None)
         self.runlog.reached(self.fit_index, learn.epoch, learn.iter+1, train_iter)  # how far a killed process got
         due = self.due or bool(self.every_iter and train_iter % self.every_iter == 0)
         if self.every_secs: due |= bool(agree(time.monotonic() - self.last_save >= self.every_secs))

@@ -1,7 +1,7 @@
 "Fixtures shared by the process-level tests"
 import re
 import pytest, torch
-from forked import Forker
+from forked import Forker, StockForker
 from helpers import LIBRARY_WARNINGS, quiet_library_warnings
 
 quiet_library_warnings()  # the processes the tests start
@@ -15,6 +15,13 @@ def forker():
     "Forks real child processes from this one, which imports fastai and the package once (see forked.py)"
     torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 gives the real subprocesses: runs compared bitwise use the same thread count
     return Forker()
+
+@pytest.fixture(scope='session')
+def stock():
+    "Stock fastai's runs of the scripts that take `--stock`: children of a process that never imports the package (see forked.py)"
+    s = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'sklearn.datasets', 'killrerun'))
+    yield s
+    s.close()
 
 class Progress:
     """What the suite says while it runs (tests/run.sh gives it a file descriptor in `RESUMABLE_TRAIN_PROGRESS_FD`): each test file's

@@ -6,7 +6,7 @@ or a caught exception), and run again. Every run is a child forked by `forked.Fo
 cell run by stock fastai (a child of `forked.StockForker`, which never imports the package).
 """
 import pytest, torch
-from forked import Forker, StockForker
+from forked import Forker
 from helpers import TESTS
 from killrerun import run_until, run_to_end, batches, compare, same_as_stock
 
@@ -18,13 +18,6 @@ def forker(): return Forker()
 
 def text(lines): return ''.join(lines)
 def steps(out): return torch.load(out, weights_only=True)['steps']
-
-@pytest.fixture(scope='module')
-def stock():
-    "Stock fastai's runs: children of a process that never imports the package"
-    s = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
-    yield s
-    s.close()
 
 @pytest.fixture(scope='module')
 def refs(forker, stock, tmp_path_factory):

@@ -8,19 +8,12 @@ Every run is a child forked by `forked.Forker` from this process (fastai importe
 import signal
 from pathlib import Path
 import pytest, torch
-from forked import Forker, StockForker
+from forked import Forker
 from helpers import TESTS, diff_values
 from killrerun import run_until, run_to_end, batches, compare, kill_and_rerun, check_kill_and_rerun
 
 SCRIPT = str(TESTS/'shapes_script.py')
 PER_CALL = 18  # 2 epochs of 9 batches
-
-@pytest.fixture(scope='module')
-def stock():
-    "Stock fastai's runs of the shapes: children of a process that never imports the package"
-    s = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'killrerun'))
-    yield s
-    s.close()
 
 @pytest.fixture(scope='module')
 def forker(): return Forker()

@@ -8,7 +8,6 @@ which is bitwise stock fastai's (a child of `forked.StockForker`, which never im
 import re, signal
 from pathlib import Path
 import pytest, torch
-from forked import StockForker
 from helpers import TESTS
 from killrerun import run_until, run_to_end, batches, compare, same_as_stock
 
@@ -21,13 +20,6 @@ def batch_count(pos:str)->int:
     "The training batches before a position as the messages write it: `epoch 2/2, batch 3/6` or `end of epoch 1/2`"
     e,b = re.fullmatch(r'epoch (\d)/2, batch (\d)/6', pos).groups() if pos.startswith('epoch') else (int(pos.split()[3][0])+1, 0)
     return (int(e)-1)*6 + int(b)
-
-@pytest.fixture(scope='module')
-def stock():
-    "Stock fastai's runs: children of a process that never imports the package"
-    s = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
-    yield s
-    s.close()
 
 @pytest.fixture(scope='module')
 def refs(forker, stock, tmp_path_factory):

@@ -3,20 +3,12 @@
 twice by SIGKILL and rerun, bitwise the uninterrupted run, which is bitwise stock fastai's (a process that never imports the package)."""
 import random
 import pytest, torch
-from forked import StockForker
 from helpers import TESTS
 import killrerun as kr
 
 SCRIPT = str(TESTS/'snapshot_script.py')
 
 def snaps(lines)->list: return [l.split()[1] for l in lines if l.startswith('SNAP ')]
-
-@pytest.fixture(scope='module')
-def stock():
-    "Stock fastai's runs: children of a process that never imports the package"
-    s = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'sklearn.datasets', 'killrerun'))
-    yield s
-    s.close()
 
 def test_order_and_in_flight(forker, tmp_path):
     "Each resume point: clone, copy, written, before the next clone (one in flight at a time)"
