@@ -1,14 +1,13 @@
 """`resumable-train check -- CMD` (issue 40) on a user's own script: exact where training is (digits, a vision `fine_tune` with
 DataLoader workers, two ranks), and each planted defect caught and named: a Dataset drawing from an unseeded generator, a callback's
 counter without `state_dict`, an operation without a deterministic kernel, a loader the package refuses; a script without `AutoResume`
-said in one line. The command runs once as a user runs it (real processes); the other checks fork the script's runs from the test
-process (`run=`), and the two ranks get torchrun's environment, the survivors killed when a rank dies, as torchrun does."""
-import re, time
+said in one line. The command runs as a user runs it (real processes) on the digits script and under torchrun; the other checks fork
+the script's runs from the test process (`run=`)."""
+import re
 from pathlib import Path
 import pytest
 from helpers import PY, TESTS, run as run_command
 from test_cli import CMD
-from test_elastic import free_port
 from resumable_train.check import check
 
 SCRIPT = str(TESTS/'check_script.py')
@@ -18,20 +17,6 @@ def forked(forker):
     def run(cmd, env, timeout):
         assert cmd[:2] == [PY, SCRIPT], cmd
         return forker.run(SCRIPT, *cmd[2:], env=env, timeout=timeout)
-    return run
-
-def two_ranks(forker):
-    "A `run` for `check` that launches the script as `torchrun --nproc_per_node=2` does: a rank killed takes the other down"
-    def run(cmd, env, timeout):
-        port,deadline = free_port(),time.monotonic() + timeout
-        rank = lambda r: dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-        ps = [forker.start(SCRIPT, *cmd[2:], env=rank(r)) for r in (0, 1)]
-        while any(p.poll() is None for p in ps) and time.monotonic() < deadline:
-            if any(p.returncode is not None and p.returncode < 0 for p in ps): break  # killed: torchrun stops the other ranks
-            time.sleep(0.05)
-        for p in ps: p.kill_group()
-        outs = [p.stdout.read() for p in ps]
-        return next((p.wait(10) for p in ps if p.wait(10)), 0), '\n'.join(outs)
     return run
 
 def verdict(run, tmp_path, *args, **kwargs)->tuple:
@@ -48,10 +33,16 @@ def test_command_exact(tmp_path):
                      out, re.M), out
     assert out.count('check: ') == 3 and not list(tmp_path.rglob('*.pth')), out
 
-@pytest.mark.parametrize('model', ['vision', 'ddp'])
-def test_exact(forker, tmp_path, model):
-    "A vision fine_tune with 2 DataLoader workers and random crops, and the MLP on two ranks: exact"
-    rc,out = verdict((two_ranks if model == 'ddp' else forked)(forker), tmp_path, '--model', model)
+def test_command_torchrun(tmp_path):
+    "The command on `torchrun --nproc_per_node=2` (DDPTrainer, gloo): every rank stopped, then killed and relaunched; exact"
+    torchrun = [PY, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2']
+    rc,out,err = run_command([CMD, 'check', '--', *torchrun, SCRIPT, tmp_path/'run', '--model', 'ddp'], timeout=300, cwd=tmp_path)
+    assert rc == 0 and re.search(r'^exact: killed after batch \d+, resumed from batch \d+, equal at batch 35 in every tensor', out, re.M), \
+        out + err[-3000:]
+
+def test_vision_fine_tune(forker, tmp_path):
+    "A vision fine_tune with 2 DataLoader workers and random crops: exact"
+    rc,out = verdict(forked(forker), tmp_path, '--model', 'vision')
     assert rc == 0 and out.splitlines()[-1].startswith('exact: killed after batch '), out
 
 @pytest.mark.parametrize('defect,why', [
