@@ -569,6 +569,10 @@ def _plain_vars(cb)->dict:
             out[k] = copy(v)
     return out
 
+# the moves between `AutoResume`'s states, as the table above has them (checked against it below); `_cleanup` goes back to 'idle'
+# from any state
+_MOVES = {('idle', 'looking'), ('looking', 'skipping'), ('looking', 'training'), ('training', 'stopping'), ('skipping', 'stopping')}
+
 _warned = set()  # the classes of the callbacks named in a warning: one warning a class
 
 def _same_value(a, b)->bool:
@@ -608,9 +612,14 @@ class AutoResume(LeanCallback):
         self._idle()
         self.resumed_iter,self.resumed_from = None,None  # the `train_iter` this fit call resumed at, and where from
 
+    def _to(self, state:str):
+        "Move to `state`: a move that `_MOVES` does not have is a defect of the package, raised as one"
+        if (self.state, state) not in _MOVES: raise RuntimeError(f"AutoResume: no move from {self.state!r} to {state!r}")
+        self.state = state
+
     def _idle(self):
         "The state between fit calls: every field a fit call sets, at rest (see the table above)"
-        self.state,self.decision,self.run_state = 'idle',None,None
+        self.state,self.decision,self.run_state,self.last_save = 'idle',None,None,None
         self.stop_signals,self.worker_signals,self.runlog,self.snapshot = self._new_stop_signals(),None,None,None
         self.added,self.due,self.last_point,self.next_num,self.src = None,False,None,1,0
         self.watched,self.last_epoch,self.stop_note,self.end_state = [],None,'',None
@@ -665,7 +674,7 @@ class AutoResume(LeanCallback):
         "Decide where this fit call starts, refusing before anything is printed or trained; `state` 'looking' after it"
         if self.state != 'idle' or hasattr(self.learn, 'lr_finder') or not self.learn.resume.fitting: return
         self._idle()  # every fit call starts from the same state: no signal noted, nothing decided
-        self.state = 'looking'
+        self._to('looking')
         if (c := checking()) is not None: self.every_iter,self.every_secs = c.every(len(self.dls.train)),None
         try:
             hide_probes(self.learn)
@@ -749,7 +758,8 @@ class AutoResume(LeanCallback):
                                           f"state is loaded from {self.store.where(self.ends[-1])}")
             if kind == 'continue': self._continue(file, rec, state)
             self._add_worker_streams()
-            self.state,self.last_save = 'training',time.monotonic()
+            self._to('training')
+            self.last_save = time.monotonic()
             if (c := checking()) is not None: c.begin(self.fit_index, self.n_epoch, len(self.dls.train), self.fname, self.resumed_iter)
             self.fit_calls.unfinished = True
             fresh = kind == 'start' and self.fit_index == 0 and file is None
@@ -804,9 +814,10 @@ class AutoResume(LeanCallback):
             self.writer.wait()
             self.fit_calls.finish()
             self.runlog.finished(self.fit_index, self.train_iter)
+            if stop := agree(self.stop_signals.signum): self._to('stopping')  # a signal during the end's write
         finally: self._cleanup()
-        if not (stop := agree(self.stop_signals.signum)): return
-        self.stop_signals.signum,self.fit_calls.cut = stop,True  # a signal during the end's write: the next safe point
+        if not stop: return
+        self.stop_signals.signum,self.fit_calls.cut = stop,True  # the next safe point is the end, saved
         self.stop_note = "the end state of this fit call is saved"
         self._say(f"AutoResume: stopped by {signal.Signals(stop).name} at the end of fit call {self.fit_index+1}; "
                   f"{self.stop_note}, run the same command again to continue", own_line=True)
@@ -836,7 +847,7 @@ class AutoResume(LeanCallback):
             f" ({_describe(end_rec)}), the last the run's files hold, and nothing is trained: a fit call after it trains on "
             f"from there; to train again from the start, run `resumable-train clean {self.folder} --fname {self.fname}`"
             if last else ''))
-        self.state = 'skipping'
+        self._to('skipping')
         self.learn.resume.skip()
 
     def _continue(self, file, rec, state):
@@ -979,7 +990,8 @@ class AutoResume(LeanCallback):
         finally: self.stop_signals.stopping = False
         written = self.last_point is not None and file_name(self.last_point[0]) == name
         saved = name is not None and (bool(rank_distrib()) or written)  # rank 0 writes
-        self.state,self.stop_signals.signum = 'stopping',signum
+        self._to('stopping')
+        self.stop_signals.signum = signum
         self.stop_note = "resume point saved" if saved else f"no resume point was written there: {self._kept()}"
         ep,it = fit_position(self.learn)
         self.runlog.stopped(signal.Signals(signum).name, self.fit_index, ep, it, self.train_iter, saved)
