@@ -82,8 +82,8 @@ from .files import *
 from .state import *
 from .state import metric_state, set_metric_state, qualname
 from .resume import *
-from .resume import (world_size, group_device, collective, give_up, comm_failure, CollectiveError, fastai_pct, watch_peers,
-    stop_watching, name_trainer, seeded, SkipToIter, fit_position)
+from .resume import (world_size, group_device, collective, give_up, comm_failure, CollectiveError,
+    fastai_pct, watch_peers, stop_watching, name_trainer, seeded, SkipToIter, fit_position)
 from .learner import *
 from .learner import world_error
 from .hooks import is_a, when_imported
@@ -144,7 +144,8 @@ class _NoBatches(GetAttr):
 
 # %% ../nbs/04_distributed.ipynb #64fb11c1
 class RankGate:
-    "What a trainer over a process group needs to resume exactly: the gate for events and stops, and every rank's random streams"
+    ("What a trainer over a process group needs to resume exactly: the gate for events and stops, and every rank's "
+     "random streams")
     who = 'DDPTrainer'  # whose process group it is, in the errors
     rank0_cbs,pending,rest,elastic,fitting,gate_secs = (),None,None,False,False,0.
     inside_epoch = True  # a resume on another world size can continue inside an epoch
@@ -412,7 +413,8 @@ def _plan_stream(self:RankGate, rp:dict, sd:dict, now:int):
         raise CheckpointError(f"{file} holds a run on {saved} process(es) whose training data is a stream "
                               f"({type(dl).__name__}), whose position each rank keeps for its own part: "
                               f"on {now} process(es) every rank would read another part of it{split}. Relaunch with "
-                              f"{saved} process(es), or load it with with_iter=False to start a new run from its weights")
+                              f"{saved} process(es), or load it with with_iter=False to start a new run from its "
+                              "weights")
     setup = run_setup(self.learn, rp['setup']['n_epoch'])  # what this world size changes; the rest is checked
     rp['setup'] = dict(rp['setup'], **{k: setup[k] for k in ('n_iter', 'n_items', 'world_size')})
     rp['callbacks'] = dict(rp['callbacks'], distributed_trainer=sd)
@@ -439,11 +441,11 @@ def plan_resume(self:RankGate, rp:dict|None, # the resume point `learn.load` lea
     if is_stream(self._data()): return self._plan_stream(rp, sd, now)
     if rp['iter'] and not self.inside_epoch:
         raise CheckpointError(f"{file} is inside an epoch of a run on {saved} process(es); under fastai's "
-                              "DistributedTrainer each rank trains a block of the epoch's order (its DistributedDL), so "
-                              f"on {now} process(es) the samples not yet trained would not be shared out once each. "
+                              "DistributedTrainer each rank trains a block of the epoch's order (its DistributedDL), "
+                              f"so on {now} process(es) the samples not yet trained would not be shared out once each. "
                               f"Relaunch with {saved} process(es); or continue from an epoch's end (AutoResume(elastic="
-                              "True) without every_iter or every_secs saves only there); or train with DDPTrainer, whose "
-                              "elastic resumes continue inside an epoch")
+                              "True) without every_iter or every_secs saves only there); or train with DDPTrainer, "
+                              "whose elastic resumes continue inside an epoch")
     if 'n' not in sd or (sd['position'] is None and rp['iter']):
         raise CheckpointError(f"{file} does not record where the epoch is in its sample order (written by "
                               "resumable_train 0.1, or with a DataLoader that is not fastai's); "
@@ -466,7 +468,8 @@ def plan_resume(self:RankGate, rp:dict|None, # the resume point `learn.load` lea
 _FASTAI_DL = 'fastai.distributed.DistributedDL'
 
 def _broadcast_idxs(self, t, rank):
-    "fastai's `DistributedDL._broadcast` on the process group's own device (fastai's moves it to CUDA, which gloo cannot use)"
+    ("fastai's `DistributedDL._broadcast` on the process group's own device (fastai's moves it to CUDA, which gloo "
+     "cannot use)")
     t = torch.LongTensor(t).to(group_device())
     collective(lambda: dist.broadcast(t, rank), "receive rank 0's data order")
     return t.cpu().tolist()
@@ -483,9 +486,11 @@ def _block_setup(self, dl, ws:int)->dict:
 def _adopt_fastai_ddp(module):
     "Make fastai's `DistributedTrainer` a `RankGate`, and its `DistributedDL` resumable and able to run on CPU"
     DT,DDL = module.DistributedTrainer,module.DistributedDL
-    if any(c.__name__ == 'RankGate' for c in DT.__mro__): return  # adopted already (by this module, or a notebook's copy of it)
-    # the one class whose bases the package changes, and why: `to_distributed` builds fastai's class, so a subclass would
-    # never be used; as a `RankGate` it keeps fastai's own methods (model, loaders, Accelerate) and gains the gate and the state
+    # adopted already (by this module, or a notebook's copy of it)
+    if any(c.__name__ == 'RankGate' for c in DT.__mro__): return
+    # the one class whose bases the package changes, and why: `to_distributed` builds fastai's class, so a subclass
+    # would never be used; as a `RankGate` it keeps fastai's own methods (model, loaders, Accelerate) and gains the gate
+    # and the state
     DT.__bases__ = (RankGate, *DT.__bases__)
     DT.who,DT.inside_epoch = 'DistributedTrainer (fastai)',False
     DT.active = property(lambda self: _group())

@@ -69,14 +69,14 @@ _stock_save = fastai_code('Learner.save')  # fastai's own (the version guard che
 @patch
 def save(self:Learner, file, # a name in `learn.path/learn.model_dir`, a path, or an fsspec URL (`s3://bkt/run/model`)
          with_opt:bool=True, # save the optimizer state
-         with_iter:bool|None=None, # save the resume point (needs `with_opt`); by default only a stage of an `AutoResume` run
+         with_iter:bool|None=None, # save the resume point (needs `with_opt`); default: only an `AutoResume` run's stage
          durable:bool=True, # fsync the file and its folder
          pickle_protocol:int=2, # as for `torch.save`
          extra:dict|None=None, # more plain values to keep in the record
         ):
     "Save model and optimizer state to `learn.path/learn.model_dir/file`, with the resume point if `with_iter`"
-    # by default as fastai's: a model file, inside a fit (`SaveModelCallback`) or out of one; between the fit calls of a run
-    # that `AutoResume` keeps, the stage a rerun may load from a cache instead of training it
+    # by default as fastai's: a model file, inside a fit (`SaveModelCallback`) or out of one; between the fit calls of a
+    # run that `AutoResume` keeps, the stage a rerun may load from a cache instead of training it
     if with_iter is None: with_iter = not self.resume.fitting and self.resume.run is not None
     file,full = _location(self, file),with_opt and with_iter and self.opt is not None
     if rank_distrib():
@@ -124,7 +124,8 @@ def _stock_load_opt(opt, sd, with_opt):
         if with_opt: warnings.warn("Could not load the optimizer state.")
 
 def _run_of(learn):
-    "The run (`RunState`) `learn` is part of: its last fit call's with `AutoResume`, or the run of an `AutoResume` it has"
+    ("The run (`RunState`) `learn` is part of: its last fit call's with `AutoResume`, or the run of an `AutoResume` it "
+     "has")
     if learn.resume.run is not None: return learn.resume.run
     ar = next((cb for cb in learn.cbs if callable(getattr(cb, 'current_run', None))), None)
     return None if ar is None else ar.current_run()
@@ -134,20 +135,21 @@ def world_error(file, saved, now):
     return CheckpointError(f"{file} holds a resume point of a run on {saved} process(es); this run has {now}. Another "
         "world size would not continue the same run bit for bit (other shards, batch positions and random streams): "
         f"relaunch with {saved} process(es) (torchrun --nproc_per_node ...); or continue it on {now} with elastic=True "
-        "(AutoResume(elastic=True) or learn.load(..., elastic=True)): DDPTrainer trains the rest of an epoch's samples in "
-        "other batches, fastai's DistributedTrainer continues from an epoch's end; or load it with with_iter=False to start a "
-        "new run from its weights")
+        "(AutoResume(elastic=True) or learn.load(..., elastic=True)): DDPTrainer trains the rest of an epoch's "
+        "samples in other batches, fastai's DistributedTrainer continues from an epoch's end; or load it with "
+        "with_iter=False to start a new run from its weights")
 
 # %% ../nbs/02b_learner.ipynb #de796443
 def _check_world(learn, rp, file, elastic):
-    "A resume point of another world size, in a run without a trainer to plan it (fastai's `distrib_ctx` on one process)"
+    ("A resume point of another world size, in a run without a trainer to plan it (fastai's `distrib_ctx` on one "
+     "process)")
     saved,now = rp['callbacks'].get('distributed_trainer', {}).get('world_size', 1),world_size()
     if saved == now: return
     if not elastic: raise world_error(file, saved, now)
     if rp['iter']:
-        raise CheckpointError(f"{file} is inside an epoch of a run on {saved} process(es), and this run on {now} has no "
-                              "trainer to share out the rest of that epoch (fastai's distrib_ctx adds none to a single "
-                              f"process): relaunch with {saved} process(es), or continue from an epoch's end "
+        raise CheckpointError(f"{file} is inside an epoch of a run on {saved} process(es), and this run on {now} has "
+                              "no trainer to share out the rest of that epoch (fastai's distrib_ctx adds none to a "
+                              f"single process): relaunch with {saved} process(es), or continue from an epoch's end "
                               "(AutoResume(elastic=True) without every_iter or every_secs saves only there)")
     # from an epoch's end: the epochs to come are this run's own; the saved trainer's state has no callback to go to
     setup = run_setup(learn, rp['setup']['n_epoch'])
@@ -208,7 +210,8 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
     if state is None: state = read_on_rank0(file, history=with_iter and opt)
     if device is not None: state = _to_device(state, device)
     hasopt,rec = set(state) == {'model','opt'},resume_record(state)
-    between = not self.resume.fitting or self.resume.event == 'before_fit'  # not a load inside a fit (`SaveModelCallback`)
+    # not a load inside a fit (`SaveModelCallback`)
+    between = not self.resume.fitting or self.resume.event == 'before_fit'
     point = with_iter and opt and between and rec is not None and rec.get('epoch') is not None
     rest = (rec or {}).get('rest') if with_iter and opt and not self.resume.fitting else None
     # only a stage of the run this process continues is more than a model file: see `ResumeState.continues`
@@ -245,7 +248,8 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
     se,si,schedule = self.resume.take_start()
     if not (start_epoch or start_iter): start_epoch,start_iter = se,si
     if start_epoch or start_iter: self.resume.pending = None
-    # `start_epoch` alone is fastai's own: its `SkipToEpoch` runs the epochs before it as cancelled ones, as in stock fastai
+    # `start_epoch` alone is fastai's own: its `SkipToEpoch` runs the epochs before it as cancelled ones, as in stock
+    # fastai
     stock_start,start_epoch = (start_epoch,0) if start_epoch and not start_iter else (0,start_epoch)
     if self.resume.pending is not None: reset_opt = False
     cbs = L(cbs)
@@ -295,6 +299,7 @@ def load_through(learn, file, **kwargs):
 
 # %% ../nbs/02b_learner.ipynb #fa5t0003
 import importlib
-# fastai's own `DistributedTrainer` saves and loads through `distributed`, which imports this module: it is imported once
-# `fastai.distributed` is, last here so that this module is whole by then (the user may have imported fastai.distributed first)
+# fastai's own `DistributedTrainer` saves and loads through `distributed`, which imports this module: it is imported
+# once `fastai.distributed` is, last here so that this module is whole by then (the user may have imported
+# fastai.distributed first)
 when_imported('fastai.distributed', lambda m: importlib.import_module('resumable_train.distributed'))
