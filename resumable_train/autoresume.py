@@ -633,6 +633,7 @@ class AutoResume(LeanCallback):
     def _idle(self):
         "The state between fit calls: every field a fit call sets, at rest (see the table above)"
         self.state,self.decision,self.run_state,self.last_save = 'idle',None,None,None
+        self.check,self.group = None,False  # `resumable-train check`'s `CheckRun`; a process group to agree with
         self.stop_signals,self.worker_signals,self.runlog,self.snapshot = self._new_stop_signals(),None,None,None
         self.added,self.due,self.last_point,self.next_num,self.src = None,False,None,1,0
         self.watched,self.last_epoch,self.stop_note,self.end_state = [],None,'',None
@@ -689,7 +690,8 @@ class AutoResume(LeanCallback):
         if self.state != 'idle' or hasattr(self.learn, 'lr_finder') or not self.learn.resume.fitting: return
         self._idle()  # every fit call starts from the same state: no signal noted, nothing decided
         self._to('looking')
-        if (c := checking()) is not None: self.every_iter,self.every_secs = c.every(len(self.dls.train)),None
+        self.check,self.group = checking(),dist.is_available() and dist.is_initialized()
+        if self.check is not None: self.every_iter,self.every_secs = self.check.every(len(self.dls.train)),None
         try:
             hide_probes(self.learn)
             check_resumable(self.dls.train)
@@ -803,11 +805,14 @@ class AutoResume(LeanCallback):
         learn = self.learn
         if not (self.state == 'training' and learn.training): return
         train_iter = learn.train_iter
-        if (c := checking()) is not None and c.due(self.fit_index, train_iter): self.stop_signals(signal.SIGTERM, None)
+        if self.check is not None and self.check.due(self.fit_index, train_iter):
+            self.stop_signals(signal.SIGTERM, None)  # `resumable-train check`'s stop
         self.runlog.reached(self.fit_index, learn.epoch, learn.iter+1, train_iter)  # how far a killed process got
         due = self.due or bool(self.every_iter and train_iter % self.every_iter == 0)
-        if self.every_secs: due |= bool(agree(time.monotonic() - self.last_save >= self.every_secs))
-        if stop := agree(self.stop_signals.signum): self._stop(stop)
+        if self.every_secs:
+            late = time.monotonic() - self.last_save >= self.every_secs
+            due |= bool(agree(late) if self.group else late)  # one process: nothing to agree on
+        if stop := agree(self.stop_signals.signum) if self.group else self.stop_signals.signum: self._stop(stop)
         elif due: self._save(periodic=True)
 
     def after_epoch(self):

@@ -113,6 +113,7 @@ class ResumeState:
         self.run = None
         # the callbacks and their orders, and for each event the callbacks it is sent to (`callbacks`)
         self.sent = (), {}
+        self.zeroed = False  # in a fit: `zero_grad` zeroed the gradients (after a step), not known before the first
     # `learn.export`: a Learner loaded with `load_learner` starts with no resume state
     def __getstate__(self): return {}
     def __setstate__(self, d): self.__init__()
@@ -140,6 +141,11 @@ class ResumeState:
         # in the process that saved it (or any later point of the run) the stage is a plain model file, as in fastai
         if not (isinstance(mark, dict) and isinstance(mark.get('done'), int) and run is not None): return False
         return mark.get('where') == run.where and run.calls.done < mark['done']
+    def note(self, event_name:str):
+        "The event being sent, and whether `zero_grad` left the gradients (a cancel may skip it; it follows a step)"
+        self.event = event_name
+        if event_name == 'after_backward' or event_name.startswith('after_cancel'): self.zeroed = False
+        elif event_name == 'after_step': self.zeroed = True
     def callbacks(self, cbs, event_name:str)->list:
         ("The callbacks fastai sends `event_name` to, in its order (`cbs.sorted('order')`), but the `LeanCallback`s "
          "that ignore it")
@@ -160,20 +166,6 @@ def resume(self:Learner)->ResumeState:
     if rs is None: rs = self.__dict__['resume_state'] = ResumeState()
     return rs
 
-class FitEvents(Callback):
-    "Note the running event in `learn.resume` before any other callback, and whether `zero_grad` left the gradients"
-    order = -math.inf
-    # whether the gradients are zero is not known before the first step; `fit_plan` is worked out once a fit call
-    def __init__(self): self.zeroed,self.plan = False,None
-    def __call__(self, event_name):
-        self.learn.resume.event = event_name
-        if event_name == 'before_fit':  # the hyperparameters the fit call was asked for, before any load replaces them
-            self.plan,opt = None,self.learn.opt
-            self.learn.resume.asked = [dict(h) for h in opt.hypers] if opt is not None else []
-        # a cancel may skip `zero_grad`; after a step (or a `CancelStepException`) fastai's `zero_grad` follows
-        if event_name == 'after_backward' or event_name.startswith('after_cancel'): self.zeroed = False
-        elif event_name == 'after_step': self.zeroed = True
-
 @patch
 def _with_events(self:Learner, f, event_type, ex, final=noop):
     if event_type == 'epoch' and self.epoch < self.resume.start_epoch: return  # before the start's epoch
@@ -189,10 +181,10 @@ def _call_one(self:Learner, event_name):
     ("fastai's `_call_one`, sorting the callbacks once while they stay the same, and sending a `LeanCallback` only the "
      "events it defines")
     if not hasattr(event, event_name): raise Exception(f'missing {event_name}')
-    for cb in self.resume.callbacks(self.cbs, event_name): cb(event_name)
+    rs = self.resume
+    if rs.fitting: rs.note(event_name)  # before any callback sees it
+    for cb in rs.callbacks(self.cbs, event_name): cb(event_name)
 Learner._call_one._fastai = _fastai['_call_one']
-
-def fit_events(learn)->FitEvents|None: return next((cb for cb in learn.cbs if isinstance(cb, FitEvents)), None)
 
 class LeanCallback(Callback):
     ("A `Callback` that costs nothing at the events it does not define (fastai's `__call__` looks each up through "
@@ -202,6 +194,17 @@ class LeanCallback(Callback):
     def __call__(self, event_name):
         if getattr(type(self), event_name, None) is not None: return super().__call__(event_name)
         if event_name == 'after_fit': self.run = True  # as fastai's `__call__` sets it back at every fit's end
+
+class FitEvents(LeanCallback):
+    "At a fit call's start, before other callbacks: the hyperparameters asked for; no plan, no zeroed gradients yet"
+    order = -math.inf
+    def __init__(self): self.plan = None  # `fit_plan` is worked out once a fit call
+    def before_fit(self):
+        rs,opt = self.learn.resume,self.learn.opt
+        # the hyperparameters the fit call was asked for, before any load replaces them
+        self.plan,rs.zeroed,rs.asked = None,False,[dict(h) for h in opt.hypers] if opt is not None else []
+
+def fit_events(learn)->FitEvents|None: return next((cb for cb in learn.cbs if isinstance(cb, FitEvents)), None)
 
 def _sent(cb, event_name:str)->bool:
     "Does `cb` do anything at `event_name`? A `LeanCallback` only at the events it defines, and at `after_fit`"

@@ -663,7 +663,6 @@ from .files import *
 from .files import adopt_history, log_ref
 from .state import *
 from .state import logged_histories
-from .hooks import fit_events
 from .fitcalls import run_setup, fit_plan_once
 from .workers import keepable
 
@@ -671,9 +670,9 @@ from .workers import keepable
 def _grad_state(p, zeroed=False): return None if p.grad is None else 0 if zeroed or not p.grad.any() else p.grad
 def _grad_states(learn)->list:
     "The model's gradients as `_set_grad` takes them: `None`, 0 (zeros) or the values"
-    ev = fit_events(learn)
-    # what `zero_grad` zeroed
-    zeroed = {id(p) for p,*_ in learn.opt.all_params()} if ev is not None and ev.zeroed else set()
+    rs = learn.resume
+    # what `zero_grad` zeroed (known in a fit only)
+    zeroed = {id(p) for p,*_ in learn.opt.all_params()} if rs.fitting and rs.zeroed else set()
     return [_grad_state(p, id(p) in zeroed) for p in learn.model.parameters()]
 def set_grad(p, g): p.grad = None if g is None else torch.zeros_like(p) if isinstance(g, int) else g.to(p.device)
 def restore_grads(learn, rec):

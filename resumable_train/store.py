@@ -406,13 +406,29 @@ def unlock(self:FsspecStore, fname:str):
     if lease is not None: lease.release()
 
 # %% ../nbs/00a_store.ipynb #081c089e
-import json, os, socket, struct, time, warnings
+import json, mmap, os, socket, struct, time, warnings, zlib
 from pathlib import Path
 
 # %% ../nbs/00a_store.ipynb #addee064
 def runlog_name(fname:str)->str: return f'{fname}.runlog'  # the run log of `AutoResume(fname)`
 
-_REACH = struct.Struct('<qqqqd')  # fit call, epoch, batch, train_iter, time
+_REACH = struct.Struct('<qqqqdq')  # fit call, epoch, batch, train_iter, time, the write's number
+_SLOT = 64  # the reach mark's two slots: a record and its crc32 each, written in turn
+
+class _Reach:
+    "A process's reach mark, mapped in memory (no system call a batch); a write fills the older of two slots"
+    def __init__(self, file):
+        fd = os.open(file, os.O_RDWR | os.O_CREAT | getattr(os, 'O_CLOEXEC', 0), 0o644)
+        try:
+            os.ftruncate(fd, 0); os.ftruncate(fd, 2*_SLOT)  # a new story: the last process's mark was read before
+            self.mm = mmap.mmap(fd, 2*_SLOT)
+        finally: os.close(fd)
+    def write(self, n:int, *fields):
+        "Write mark number `n` (fit, epoch, batch, train_iter, time) into slot `n % 2`"
+        at = n % 2 * _SLOT
+        _REACH.pack_into(self.mm, at, *fields, n)
+        struct.pack_into('<I', self.mm, at + _REACH.size, zlib.crc32(self.mm[at:at+_REACH.size]))
+    def close(self): self.mm.close()
 
 def _folder(store)->Path|None: return Path(store.folder) if getattr(store, 'folder', None) is not None else None
 
@@ -502,8 +518,12 @@ def _reach_file(store, fname)->Path|None:
 
 def _read_reach(store, fname)->dict|None:
     "Where the last process was after its last training batch, as the reach mark says; `None` without one"
-    try: fit,epoch,it,train_iter,t = _REACH.unpack(_reach_file(store, fname).read_bytes()[:_REACH.size])
-    except (AttributeError, OSError, struct.error): return None
+    try: data = _reach_file(store, fname).read_bytes()
+    except (AttributeError, OSError): return None
+    whole = [_REACH.unpack_from(data, at) for at in (0, _SLOT) if len(data) >= at + _REACH.size + 4
+             and zlib.crc32(data[at:at+_REACH.size]) == struct.unpack_from('<I', data, at + _REACH.size)[0]]
+    if not whole: return None
+    fit,epoch,it,train_iter,t,_ = max(whole, key=lambda r: r[-1])  # the newer slot; the other, if a kill cut this one
     return dict(fit=fit, epoch=epoch, iter=it, train_iter=train_iter, time=t)
 
 def _killed(reach:dict|None)->dict:
@@ -568,7 +588,7 @@ class RunLog:
     def __init__(self, store, # where the resume points are (`as_store`)
                  fname:str='autoresume', # the name `AutoResume` was given
                  on:bool=True): # write (rank 0) or not (the other ranks)
-        self.store,self.fname,self.on,self.fd,self.torn,self.training = as_store(store),fname,on,None,False,False
+        self.store,self.fname,self.on,self.mark,self.torn,self.training = as_store(store),fname,on,None,False,False
 
     def _url(self)->str: return f"{self.store.url}/{runlog_name(self.fname)}"
 
@@ -613,17 +633,18 @@ class RunLog:
     def reached(self, fit:int, epoch:int, it:int, train_iter:int):
         "Overwrite the reach mark: fit call `fit` trained batch `it` of `epoch` (in a folder)"
         if not self.on: return
-        if self.fd is None:
+        if self.mark is None:
             f = _reach_file(self.store, self.fname)
             if f is None: return
-            self.fd = os.open(f, os.O_RDWR | os.O_CREAT | getattr(os, 'O_CLOEXEC', 0), 0o644)
-        os.pwrite(self.fd, _REACH.pack(fit, epoch, it, train_iter, time.time()), 0)
+            self.mark,self.n = _Reach(f),0
+        self.n += 1
+        self.mark.write(self.n, fit, epoch, it, train_iter, time.time())
 
     def end(self, event:str, **fields):
         "Add `event`, which ends the training this process began (nothing if it began none), and close the reach mark"
         if self.training: self.add(event, **fields)
-        if self.fd is not None: os.close(self.fd)
-        self.fd,self.training = None,False
+        if self.mark is not None: self.mark.close()
+        self.mark,self.training = None,False
 
     def stopped(self, signal:str, fit:int, epoch:int, it:int, train_iter:int, # where it stopped
                 saved:bool): # whether a resume point was written there
