@@ -63,3 +63,9 @@ def test_without_autoresume(forker, tmp_path):
     rc,out = verdict(forked(forker), tmp_path, '--no-autoresume')
     assert rc == 1 and out.splitlines()[-1] == ("not checked: the script trained no fit call with AutoResume: add AutoResume() to the "
                                                 "Learner's callbacks"), out
+
+def test_stop_too_early(forker, tmp_path):
+    "A stop (`--batches`) before there is room for a kill after the first resume point: said in one line, nothing killed"
+    rc,out = verdict(forked(forker), tmp_path, batches=5)
+    assert rc == 1 and out.splitlines()[-1] == ("not checked: the stop (batch 5) leaves no batch to kill at after the first resume "
+                                                "point (batch 10)"), out
