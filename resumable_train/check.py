@@ -177,7 +177,8 @@ def check(cmd:list, # the user's command for the training script (`python train.
         return no("no fit call of the script trains enough batches for a resume point, a kill after it and a stop")
     fit,k,every,fname = plan['fit'],plan['stop'],plan['every'],plan['fname']
     if a.first('stop') is None: return no(f"fit call {fit+1} ended before batch {k}" if not a.rc else a.why())
-    if k < every + 2: return no(f"the stop (batch {k}) leaves no batch to kill at after the first resume point (batch {every})")
+    if k < every + 2:
+        return no(f"the stop (batch {k}) leaves no batch to kill at after the first resume point (batch {every})")
     j = random.SystemRandom().randint(every+1, k-1) if kill_at is None else kill_at
     if not every < j < k:
         return no(f"the kill (batch {j}) must come after the first resume point (batch {every}) and before the "

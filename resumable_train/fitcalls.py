@@ -11,7 +11,7 @@ from torch import nn
 from fastai.torch_core import num_distrib, get_model
 from .files import *
 from .state import *
-from .hooks import is_a, fit_events
+from .hooks import is_a
 
 # %% auto #0
 __all__ = ['is_webdataset', 'loader_of', 'run_setup', 'setup_diff', 'check_setup', 'fit_plan']
@@ -114,10 +114,10 @@ def fit_plan(learn)->dict:
 # %% ../nbs/02_fitcalls.ipynb #02eee549
 def fit_plan_once(learn)->dict:
     "`fit_plan` of the running fit call, worked out once: the schedules cost more than the rest of a snapshot"
-    ev = fit_events(learn)
-    if ev is None: return fit_plan(learn)
-    if ev.plan is None: ev.plan = fit_plan(learn)
-    return ev.plan
+    rs = learn.resume
+    if not rs.fitting: return fit_plan(learn)
+    if rs.plan is None: rs.plan = fit_plan(learn)
+    return rs.plan
 
 # %% ../nbs/02_fitcalls.ipynb #72136fc7
 def _numeric(v): return isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool)

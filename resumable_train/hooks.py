@@ -114,6 +114,7 @@ class ResumeState:
         # the callbacks and their orders, and for each event the callbacks it is sent to (`callbacks`)
         self.sent = (), {}
         self.zeroed = False  # in a fit: `zero_grad` zeroed the gradients (after a step), not known before the first
+        self.plan = None  # the running fit call's `fit_plan`, worked out once (`fit_plan_once`)
     # `learn.export`: a Learner loaded with `load_learner` starts with no resume state
     def __getstate__(self): return {}
     def __setstate__(self, d): self.__init__()
@@ -198,13 +199,10 @@ class LeanCallback(Callback):
 class FitEvents(LeanCallback):
     "At a fit call's start, before other callbacks: the hyperparameters asked for; no plan, no zeroed gradients yet"
     order = -math.inf
-    def __init__(self): self.plan = None  # `fit_plan` is worked out once a fit call
     def before_fit(self):
         rs,opt = self.learn.resume,self.learn.opt
         # the hyperparameters the fit call was asked for, before any load replaces them
-        self.plan,rs.zeroed,rs.asked = None,False,[dict(h) for h in opt.hypers] if opt is not None else []
-
-def fit_events(learn)->FitEvents|None: return next((cb for cb in learn.cbs if isinstance(cb, FitEvents)), None)
+        rs.plan,rs.zeroed,rs.asked = None,False,[dict(h) for h in opt.hypers] if opt is not None else []
 
 def _sent(cb, event_name:str)->bool:
     "Does `cb` do anything at `event_name`? A `LeanCallback` only at the events it defines, and at `after_fit`"
