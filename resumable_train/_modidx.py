@@ -321,6 +321,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                        'resumable_train.hooks.LeanCallback': ('hooks.html#leancallback', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks.LeanCallback.__call__': ( 'hooks.html#leancallback.__call__',
                                                                                         'resumable_train/hooks.py'),
+                                       'resumable_train.hooks.LeanCallback.acts_at': ( 'hooks.html#leancallback.acts_at',
+                                                                                       'resumable_train/hooks.py'),
                                        'resumable_train.hooks.Learner._call_one': ( 'hooks.html#learner._call_one',
                                                                                     'resumable_train/hooks.py'),
                                        'resumable_train.hooks.Learner._with_events': ( 'hooks.html#learner._with_events',

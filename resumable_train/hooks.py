@@ -192,8 +192,10 @@ class LeanCallback(Callback):
      "`GetAttr`)")
     # read at every event of the inner loop: straight from the Learner
     training = property(lambda self: self.learn.training)
+    @classmethod
+    def acts_at(cls, event_name:str)->bool: return getattr(cls, event_name, None) is not None  # it defines the event
     def __call__(self, event_name):
-        if getattr(type(self), event_name, None) is not None: return super().__call__(event_name)
+        if self.acts_at(event_name): return super().__call__(event_name)
         if event_name == 'after_fit': self.run = True  # as fastai's `__call__` sets it back at every fit's end
 
 class FitEvents(LeanCallback):
@@ -206,8 +208,7 @@ class FitEvents(LeanCallback):
 
 def _sent(cb, event_name:str)->bool:
     "Does `cb` do anything at `event_name`? A `LeanCallback` only at the events it defines, and at `after_fit`"
-    return (not isinstance(cb, LeanCallback) or event_name == 'after_fit'
-            or getattr(type(cb), event_name, None) is not None)
+    return not isinstance(cb, LeanCallback) or event_name == 'after_fit' or cb.acts_at(event_name)
 
 # %% ../nbs/01a_hooks.ipynb #25f89df8
 class _AfterImport(importlib.abc.MetaPathFinder):
