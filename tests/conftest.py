@@ -1,7 +1,7 @@
 "Fixtures shared by the process-level tests"
 import re
 import pytest, torch
-from forked import Forker, StockForker
+from forked import Forker, stock_server
 from helpers import LIBRARY_WARNINGS, quiet_library_warnings
 
 quiet_library_warnings()  # the processes the tests start
@@ -19,9 +19,7 @@ def forker():
 @pytest.fixture(scope='session')
 def stock():
     "Stock fastai's runs of the scripts that take `--stock`: children of a process that never imports the package (see forked.py)"
-    s = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'sklearn.datasets', 'killrerun'))
-    yield s
-    s.close()
+    yield from stock_server(('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'sklearn.datasets', 'killrerun'))
 
 class Progress:
     """What the suite says while it runs (tests/run.sh gives it a file descriptor in `RESUMABLE_TRAIN_PROGRESS_FD`): each test file's

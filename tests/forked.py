@@ -164,6 +164,12 @@ class StockForker:
         except (ProcessLookupError, PermissionError): pass
         self.p.wait(10)
 
+def stock_server(modules):
+    "A `StockForker` importing `modules` for a pytest fixture: yielded, then closed"
+    s = StockForker(modules=modules)
+    yield s
+    s.close()
+
 def _serve(modules):
     "The stock server: import `modules`, then for each request line fork a child that runs it; print its pid, then its return code"
     import gc, importlib

@@ -2,7 +2,7 @@
 run, which is bitwise stock fastai's (a process that never imports the package)."""
 import random
 import pytest, torch
-from forked import StockForker
+from forked import stock_server
 from helpers import TESTS, diff_values
 import killrerun as kr
 
@@ -11,9 +11,7 @@ CASES = [('fp16', 'one_cycle'), ('fp16', 'fine_tune'), ('bf16', 'one_cycle'), ('
 
 @pytest.fixture(scope='module')
 def stock():
-    s = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'sklearn.datasets', 'killrerun'))
-    yield s
-    s.close()
+    yield from stock_server(('fastai.basics', 'fastai.callback.all', 'sklearn.datasets', 'killrerun'))
 
 @pytest.mark.parametrize('precision,sched', CASES, ids=['-'.join(c) for c in CASES])
 def test_kill_and_rerun(forker, stock, tmp_path, precision, sched):

@@ -8,7 +8,7 @@ gradients), two Learners in one folder, `AutoResume` per fit call, a cached stag
 skipped call."""
 import random
 import pytest
-from forked import Forker, StockForker
+from forked import Forker, stock_server
 import random_scripts as rs
 
 @pytest.fixture(scope='module')
@@ -20,9 +20,7 @@ def forker():
 @pytest.fixture(scope='module')
 def stock():
     "The scripts' stock fastai runs (`--plain`): children of a process that never imports the package"
-    s = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.text.all', 'sklearn.datasets', 'random_scripts'))
-    yield s
-    s.close()
+    yield from stock_server(('fastai.basics', 'fastai.callback.all', 'fastai.text.all', 'sklearn.datasets', 'random_scripts'))
 
 # (seed, what make_script is forced to, kill windows); background writes off so that each case is deterministic
 CASES = [

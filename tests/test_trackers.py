@@ -4,7 +4,7 @@ that never imports the package)."""
 import contextlib, io, json, random, struct
 from pathlib import Path
 import numpy as np, pytest, torch
-from forked import Forker, StockForker
+from forked import Forker, stock_server
 from helpers import TESTS
 import killrerun as kr
 from resumable_train.cli import main
@@ -22,10 +22,8 @@ def forker():
 @pytest.fixture(scope='module')
 def stock():
     "Stock fastai's runs: children of a process that never imports the package"
-    s = StockForker(modules=('fastai.basics', 'fastai.callback.schedule', 'fastai.callback.tensorboard', 'sklearn.datasets',
+    yield from stock_server(('fastai.basics', 'fastai.callback.schedule', 'fastai.callback.tensorboard', 'sklearn.datasets',
                              'killrerun', 'helpers'))
-    yield s
-    s.close()
 
 def killed_twice(forker, stock, tmp_path, seed, *kinds, env=lambda run: None):
     """The batches of an uninterrupted run (bitwise stock fastai's, in `stock/`) and of one killed twice at seeded batches, then
