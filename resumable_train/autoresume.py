@@ -796,7 +796,8 @@ class AutoResume(LeanCallback):
         if self.state == 'idle': raise bypassed(self.learn, 'fit')
         self._hold_signals()
     def before_validate(self): self._hold_signals()
-    def before_batch(self): self._hold_signals(False)
+    def before_batch(self):  # at every batch: the hold, if any, is let go at a phase's first batch
+        if self.worker_signals is not None and self.worker_signals.mask is not None: self._hold_signals(False)
     def after_train(self): self._hold_signals(False)  # a phase without batches
     def after_validate(self): self._hold_signals(False)
 

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01a_hooks.ipynb #fd997fb6
 from __future__ import annotations
-import hashlib, importlib.abc, importlib.machinery, inspect, io, math, os, sys, warnings
+import hashlib, importlib.abc, importlib.machinery, inspect, io, math, operator, os, sys, warnings
 from contextlib import contextmanager, redirect_stdout
 from functools import wraps
 import fastai
@@ -95,6 +95,10 @@ def internal(owner, name:str, library:str):
 # %% ../nbs/01a_hooks.ipynb #5d4e7ec4
 _fastai = {n: getattr(getattr(Learner, n), '_fastai', getattr(Learner, n))
            for n in ('_with_events','one_batch','fit','_call_one')}
+_order = operator.attrgetter('order')
+# the events after which the gradients are left (`zero_grad` follows a step; a cancel may skip it), or are zeroed
+_ZEROED = dict.fromkeys(['after_backward', *[e for e in dir(event) if e.startswith('after_cancel')]], False) | {'after_step': True}
+
 
 class ResumeState:
     "One `Learner`'s resume state: the resume point waiting for the next `fit`, and where the running fit call is"
@@ -112,7 +116,7 @@ class ResumeState:
         # the run (`fitcalls.RunState`) of the last fit call made with `AutoResume`: a stage saved now belongs to it
         self.run = None
         # the callbacks and their orders, and for each event the callbacks it is sent to (`callbacks`)
-        self.sent = (), {}
+        self.sent = (), {}, []
         self.zeroed = False  # in a fit: `zero_grad` zeroed the gradients (after a step), not known before the first
         self.plan = None  # the running fit call's `fit_plan`, worked out once (`fit_plan_once`)
     # `learn.export`: a Learner loaded with `load_learner` starts with no resume state
@@ -145,15 +149,14 @@ class ResumeState:
     def note(self, event_name:str):
         "The event being sent, and whether `zero_grad` left the gradients (a cancel may skip it; it follows a step)"
         self.event = event_name
-        if event_name == 'after_backward' or event_name.startswith('after_cancel'): self.zeroed = False
-        elif event_name == 'after_step': self.zeroed = True
+        if (z := _ZEROED.get(event_name)) is not None: self.zeroed = z
     def callbacks(self, cbs, event_name:str)->list:
         ("The callbacks fastai sends `event_name` to, in its order (`cbs.sorted('order')`), but the `LeanCallback`s "
          "that ignore it")
         cbs = getattr(cbs, 'items', cbs)
-        # the list below keeps the callbacks, so no id is reused
-        key = (*map(id, cbs), *[getattr(cb, 'order', 0) for cb in cbs])
-        if key != self.sent[0]: self.sent = key,{}
+        try: key = (*map(id, cbs), *map(_order, cbs))  # read at every event: no loop in Python
+        except AttributeError: key = (*map(id, cbs), *[getattr(cb, 'order', 0) for cb in cbs])
+        if key != self.sent[0]: self.sent = key,{},list(cbs)  # the list keeps the callbacks, so no id is reused
         out = self.sent[1].get(event_name)
         if out is None:
             out = self.sent[1][event_name] = [cb for cb in sorted(cbs, key=lambda o: getattr(o, 'order', 0))

@@ -406,17 +406,18 @@ def unlock(self:FsspecStore, fname:str):
     if lease is not None: lease.release()
 
 # %% ../nbs/00a_store.ipynb #081c089e
-import json, mmap, os, socket, struct, time, warnings, zlib
+import json, mmap, os, socket, struct, time, warnings
 from pathlib import Path
 
 # %% ../nbs/00a_store.ipynb #addee064
 def runlog_name(fname:str)->str: return f'{fname}.runlog'  # the run log of `AutoResume(fname)`
 
-_REACH = struct.Struct('<qqqqdq')  # fit call, epoch, batch, train_iter, time, the write's number
-_SLOT = 64  # the reach mark's two slots: a record and its crc32 each, written in turn
+# the write's number, fit call, epoch, batch, train_iter, time, the write's number again: the number at both ends
+_REACH = struct.Struct('<qqqqqdq')
+_SLOT = 64  # the reach mark's two slots, written in turn
 
 class _Reach:
-    "A process's reach mark, mapped in memory (no system call a batch); a write fills the older of two slots"
+    "A process's reach mark, mapped in memory (no system call a batch); a write fills the older of two slots in one call"
     def __init__(self, file):
         fd = os.open(file, os.O_RDWR | os.O_CREAT | getattr(os, 'O_CLOEXEC', 0), 0o644)
         try:
@@ -425,9 +426,7 @@ class _Reach:
         finally: os.close(fd)
     def write(self, n:int, *fields):
         "Write mark number `n` (fit, epoch, batch, train_iter, time) into slot `n % 2`"
-        at = n % 2 * _SLOT
-        _REACH.pack_into(self.mm, at, *fields, n)
-        struct.pack_into('<I', self.mm, at + _REACH.size, zlib.crc32(self.mm[at:at+_REACH.size]))
+        _REACH.pack_into(self.mm, n % 2 * _SLOT, n, *fields, n)  # its fields in order: the last number written last
     def close(self): self.mm.close()
 
 def _folder(store)->Path|None: return Path(store.folder) if getattr(store, 'folder', None) is not None else None
@@ -520,10 +519,10 @@ def _read_reach(store, fname)->dict|None:
     "Where the last process was after its last training batch, as the reach mark says; `None` without one"
     try: data = _reach_file(store, fname).read_bytes()
     except (AttributeError, OSError): return None
-    whole = [_REACH.unpack_from(data, at) for at in (0, _SLOT) if len(data) >= at + _REACH.size + 4
-             and zlib.crc32(data[at:at+_REACH.size]) == struct.unpack_from('<I', data, at + _REACH.size)[0]]
+    slots = [_REACH.unpack_from(data, at) for at in (0, _SLOT) if len(data) >= at + _REACH.size]
+    whole = [r for r in slots if r[0] == r[-1] > 0]  # a write a kill cut leaves its two numbers apart
     if not whole: return None
-    fit,epoch,it,train_iter,t,_ = max(whole, key=lambda r: r[-1])  # the newer slot; the other, if a kill cut this one
+    _,fit,epoch,it,train_iter,t,_ = max(whole, key=lambda r: r[-1])  # the newer slot; the other, if a kill cut this one
     return dict(fit=fit, epoch=epoch, iter=it, train_iter=train_iter, time=t)
 
 def _killed(reach:dict|None)->dict:
