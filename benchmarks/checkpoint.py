@@ -3,7 +3,7 @@ import io, os, tempfile, time, torch
 from pathlib import Path
 from fastai.callback.core import Callback, CancelFitException
 import fastai.callback.schedule  # noqa: F401 (fit_one_cycle)
-from resumable_train.resume import checkpoint
+from resumable_train.point import checkpoint
 from resumable_train.learner import log_history
 from resumable_train.store import LocalStore
 from resumable_train.files import _compact, resume_record, write_checkpoint

@@ -2,7 +2,7 @@
 import logging, random, time, warnings
 import torch
 from torch.utils.data import DataLoader as TorchDL, IterableDataset
-from resumable_train.resume import Resumed, loader_position
+from resumable_train.loaders import Resumed, loader_position
 from common import *
 
 class Stream(IterableDataset):
@@ -79,7 +79,7 @@ def _hf_stream(n, buffer_size, keep):
     "The issue's stream: `n` examples in 4 shards, shuffled with a buffer; with `keep`, the buffer kept in its state (`keep_buffers`)"
     from datasets import Dataset as HFDataset
     from torch.utils.data import DataLoader as TorchDL
-    from resumable_train.resume import keep_buffers
+    from resumable_train.loaders import keep_buffers
     ds = HFDataset.from_dict({'x': list(range(n))}).to_iterable_dataset(num_shards=4).shuffle(seed=0, buffer_size=buffer_size)
     if keep: keep_buffers(TorchDL(ds))
     return ds

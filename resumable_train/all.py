@@ -9,7 +9,9 @@ __all__ = []
 from .learner import *  # `Learner.save`, `load` and `fit`, patched
 from .state import register_state
 from .files import CheckpointError, read_checkpoint
-from .resume import SkipToIter, SeedBatches, allow_replay
+from .loaders import allow_replay
+from .skip import SkipToIter
+from .seeds import SeedBatches
 from .workers import WorkerStreams
 from .autoresume import AutoResume, list_checkpoints, newest_valid, wandb_id
 from .distributed import DDPTrainer, init_distributed

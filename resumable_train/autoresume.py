@@ -10,8 +10,10 @@ from fastcore.foundation import L
 from fastai.torch_core import rank_distrib
 from .files import *
 from .store import *
-from .resume import *
-from .resume import group_device, collective
+from .collectives import agree, collective, group_device, read_on_rank0, share_checkpoint
+from .loaders import allow_replay, check_callbacks, check_resumable, keep_buffers, loader_kind
+from .point import checkpoint, fit_position, restore_grads, restore_streams
+from .seeds import SeedBatches
 from .files import checkpoint_number
 
 # %% auto #0
@@ -496,9 +498,10 @@ from .files import WriteCancelled
 from .store import *
 from .state import *
 from .state import qualname
-from .resume import *
+from .collectives import read_on_rank0
+from .point import restore_streams, restore_grads, fit_position
+from .seeds import SeedBatches
 from .hooks import hide_probes, hide_progress, LeanCallback
-from .resume import read_on_rank0, restore_streams, restore_grads, fit_position, SeedBatches
 from .workers import WorkerStreams, keepable
 from .check import checking
 from .fitcalls import setup_diff, fit_plan, check_plan, FitCalls, RunState, run_state, start_digest, user_stacklevel

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from fastai.data.load import DataLoader, _FakeLoader
 from .state import has_state
-from .resume import fastai_like
+from .loaders import fastai_like
 
 # %% auto #0
 __all__ = ['init_distributed', 'RankGate', 'DDPTrainer']
@@ -81,9 +81,12 @@ from fastai.callback.core import Callback, CancelFitException
 from .files import *
 from .state import *
 from .state import metric_state, set_metric_state, qualname
-from .resume import *
-from .resume import (world_size, group_device, collective, give_up, comm_failure, CollectiveError,
-    fastai_pct, watch_peers, stop_watching, name_trainer, seeded, SkipToIter, fit_position)
+from .collectives import (world_size, group_device, collective, give_up, comm_failure, CollectiveError,
+                                         watch_peers, stop_watching, name_trainer, agree)
+from .loaders import loader_record, reshards
+from .point import fit_position
+from .skip import fastai_pct, SkipToIter
+from .seeds import seeded
 from .learner import *
 from .learner import world_error
 from .hooks import is_a, when_imported

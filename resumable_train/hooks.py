@@ -97,7 +97,8 @@ _fastai = {n: getattr(getattr(Learner, n), '_fastai', getattr(Learner, n))
            for n in ('_with_events','one_batch','fit','_call_one')}
 _order = operator.attrgetter('order')
 # the events after which the gradients are left (`zero_grad` follows a step; a cancel may skip it), or are zeroed
-_ZEROED = dict.fromkeys(['after_backward', *[e for e in dir(event) if e.startswith('after_cancel')]], False) | {'after_step': True}
+_ZEROED = {**dict.fromkeys(['after_backward', *[e for e in dir(event) if e.startswith('after_cancel')]], False),
+           'after_step': True}
 
 
 class ResumeState:

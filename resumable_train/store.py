@@ -417,7 +417,7 @@ _REACH = struct.Struct('<qqqqqdq')
 _SLOT = 64  # the reach mark's two slots, written in turn
 
 class _Reach:
-    "A process's reach mark, mapped in memory (no system call a batch); a write fills the older of two slots in one call"
+    "A process's reach mark, mapped in memory (no system call a batch); one call writes the older of two slots"
     def __init__(self, file):
         fd = os.open(file, os.O_RDWR | os.O_CREAT | getattr(os, 'O_CLOEXEC', 0), 0o644)
         try:
