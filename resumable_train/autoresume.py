@@ -12,7 +12,7 @@ from .files import *
 from .store import *
 from .collectives import agree, collective, group_device, read_on_rank0, share_checkpoint
 from .loaders import allow_replay, check_callbacks, check_resumable, keep_buffers, loader_kind
-from .point import checkpoint, fit_position, restore_grads, restore_streams
+from .point import fit_position, restore_grads, restore_streams, write_point
 from .seeds import SeedBatches
 from .files import checkpoint_number
 
@@ -506,7 +506,7 @@ from .workers import WorkerStreams, keepable
 from .check import checking
 from .fitcalls import setup_diff, fit_plan, check_plan, FitCalls, RunState, run_state, start_digest, user_stacklevel
 from .learner import *
-from .learner import log_history, load_through, bypassed, plan_resume
+from .learner import load_through, bypassed, plan_resume
 from .store import RunLog, point_at
 
 # %% ../nbs/03_autoresume.ipynb #9180fd52
@@ -965,17 +965,17 @@ class AutoResume(LeanCallback):
         extra = dict(fit_index=self.fit_index, fits=rs.fits, ends=ends, starts=starts,
                      **({'last_epoch': self.epoch, 'train_modes': modes} if end else {}))
         if end: self.ends = ends
-        if rank_distrib(): return self.learn.save(_stem(self.store.where(name)), with_iter=True, extra=extra) and name
-        if not self.writer.wait(stopping): return  # before copying: one copy of the state at a time
-        ck = checkpoint(self.learn, extra=extra)
-        start = log_history(self.learn, ck, self.store, self.log)  # appended here: a few rows
+        if not rank_distrib() and not self.writer.wait(stopping): return  # before copying: one copy of the state at a time
+        write_point(self.learn, self.store, name, log=self.log, extra=extra, write=partial(self._hand_over, name, stopping))
+        self.last_save = time.monotonic()  # on every rank: each decides when the next is due (`agree`)
+        return name
+
+    def _hand_over(self, name, stopping, ck, start):
+        "Give the writer the resume point `ck`: in the background, as a snapshot on the device when it has room"
         if self.background:
             self.snapshot = self.snapshot or Snapshot()
-            ck = self.snapshot.take(ck)  # on the device when it has room (`Pending`)
-        bg = self.background or stopping is not None
-        self.writer(partial(self._write, ck, name, start), then=self._prune, background=bg)
-        self.last_save = time.monotonic()
-        return name
+            ck = self.snapshot.take(ck)  # `Pending`
+        self.writer(partial(self._write, ck, name, start), then=self._prune, background=self.background or stopping is not None)
 
     def _check_watched(self):
         "Warn once for each callback of the user's whose attributes changed while training but that keeps no state"

@@ -5,7 +5,6 @@
 # %% ../nbs/02f_learner.ipynb #9c54f1cd
 from __future__ import annotations
 import sys, warnings
-from functools import partial
 import torch
 from fastcore.basics import patch
 from fastcore.meta import delegates
@@ -14,13 +13,11 @@ from fastai.torch_core import get_model, distrib_barrier, rank_distrib, to_devic
 from fastai.learner import Learner, save_model
 from fastcore.xtras import join_path_file
 from .files import *
-from .files import start_history, append_history
 from .state import *
-from .state import logged_histories
 from .store import is_url, locate
 from .hooks import short_refusals, FitEvents, fastai_code, fit_call, is_a, when_imported
 from .collectives import read_on_rank0, world_size
-from .point import checkpoint, log_owner, restore_rest, resume_point
+from .point import restore_rest, write_point
 from .skip import SkipToIter
 from .fitcalls import run_setup
 
@@ -34,35 +31,6 @@ short_refusals()  # a refusal or a stop that ends a script shows its message, no
 def _location(learn, file):
     "Where `file` is: an fsspec URL as it is, else in `learn.path/learn.model_dir`; with `.pth` added, as fastai does"
     return f"{file}.pth" if is_url(str(file)) else join_path_file(file, learn.path/learn.model_dir, ext='.pth')
-
-def _at(d, path):
-    "The value at `path` in nested dicts `d`, or `None`"
-    for k in path: d = d.get(k) if isinstance(d, dict) else None
-    return d
-
-def _n_rows(packed:dict)->int: return len(next(iter(packed.values())))
-
-def log_history(learn, ck, store, log:str)->callable|None:
-    "Move `ck`'s per-batch histories to the log `log` of a local `store`, or return what starts the log later"
-    # the Recorder's and a `ParamScheduler`'s histories: the rows the log lacks are appended; a new log is started by
-    # the function returned, once `ck` is written
-    cbs = (resume_record(ck) or {}).get('callbacks')
-    if not store.local or not isinstance(cbs, dict): return None
-    hs = logged_histories(learn)
-    packed = {p: v for p in hs if isinstance(v := _at(cbs, p), dict)}
-    if ('recorder', 'lrs') not in packed: return None
-    n = _n_rows(packed[('recorder', 'lrs')])
-    # a row per batch in the log; any other history stays in the file
-    packed = {'/'.join(p): v for p,v in packed.items() if _n_rows(v) == n}
-    owner,log = log_owner(hs, packed),store.where(log)
-    ref = append_history(log, packed, owner)
-    if ref is None: return partial(start_history, log, packed, owner)
-    for name in packed:
-        *up,k = name.split('/')
-        del _at(cbs, up)[k]
-    cbs['recorder']['history'] = ref
-
-def _log_name(name:str)->str: return f"{name.removesuffix('.pth')}.history"
 
 # %% ../nbs/02f_learner.ipynb #21843219
 _stock_save = fastai_code('Learner.save')  # fastai's own (the version guard checks it)
@@ -80,22 +48,17 @@ def save(self:Learner, file, # a name in `learn.path/learn.model_dir`, a path, o
     # run that `AutoResume` keeps, the stage a rerun may load from a cache instead of training it
     if with_iter is None: with_iter = not self.resume.fitting and self.resume.run is not None
     file,full = _location(self, file),with_opt and with_iter and self.opt is not None
-    if rank_distrib():
-        if full: resume_point(self)  # every rank takes part in gathering the states (`DDPTrainer`'s random streams)
-        return file
+    if full:
+        store,name = locate(file) if not rank_distrib() else (None, None)
+        return write_point(self, store, name, extra=extra, durable=durable, pickle_protocol=pickle_protocol) or file
+    if rank_distrib(): return file
     store,name = locate(file)
-    if not full:
-        if store.local:
-            save_model(file, self.model, getattr(self,'opt',None), with_opt=with_opt, pickle_protocol=pickle_protocol)
-            return file
-        sd = get_model(self.model).state_dict()  # the two forms of a stock fastai file
-        obj = {'model': sd, 'opt': self.opt.state_dict()} if with_opt and self.opt is not None else sd
-        return store.save(obj, name, pickle_protocol=pickle_protocol)
-    ck = checkpoint(self, extra=extra)
-    start = log_history(self, ck, store, _log_name(name))
-    out = store.save(ck, name, durable=durable, pickle_protocol=pickle_protocol)
-    if start: start(durable=durable)
-    return out
+    if store.local:
+        save_model(file, self.model, getattr(self,'opt',None), with_opt=with_opt, pickle_protocol=pickle_protocol)
+        return file
+    sd = get_model(self.model).state_dict()  # the two forms of a stock fastai file
+    obj = {'model': sd, 'opt': self.opt.state_dict()} if with_opt and self.opt is not None else sd
+    return store.save(obj, name, pickle_protocol=pickle_protocol)
 Learner.save._fastai = _stock_save
 
 # %% ../nbs/02f_learner.ipynb #2a947840

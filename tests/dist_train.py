@@ -11,6 +11,7 @@ p.add_argument('out')
 p.add_argument('--epochs', type=int, default=3)
 p.add_argument('--n-train', type=int, default=7)       # batches of 15 in the whole training set: 105 items, not a multiple of 2
 p.add_argument('--every', type=int, default=0)         # AutoResume(every_iter=...); 0: no AutoResume
+p.add_argument('--every-secs', type=float, default=0)  # AutoResume(every_secs=...) (or with --every)
 p.add_argument('--kill-rank', type=int, default=-1)    # SIGKILL this rank ...
 p.add_argument('--kill-at', type=int, default=-1)      # ... after this training batch (train_iter)
 p.add_argument('--hang-rank', type=int, default=-1)    # SIGSTOP this rank (it hangs, it does not die) ...
@@ -122,7 +123,8 @@ model = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 
 torch.manual_seed(1000 + rank)   # each rank its own random streams (dropout), which a resume must give back to each
 test = Test()
 cbs = [trainer, test, CSVLogger(), SaveModelCallback(every_epoch=True)] + ([SetEpoch()] if args.source else [])
-cbs += [AutoResume(every_iter=args.every, elastic=args.elastic, replay=args.source == 'replay_gen')] if args.every else []
+cbs += [AutoResume(every_iter=args.every or None, every_secs=args.every_secs or None, elastic=args.elastic,
+                  replay=args.source == 'replay_gen')] if args.every or args.every_secs else []
 dls = train_data(dls)
 learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=[mae, rmse], cbs=cbs, path=out/'run')
 if args.fp16: learn.to_fp16()

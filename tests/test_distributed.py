@@ -2,7 +2,7 @@
 numbers, a killed rank, a hung rank, another world size. The ranks are children forked from the test process (fastai imported once, see
 forked.py) that join the process group as torchrun's workers do (test_elastic.py); SIGTERM to the launcher, which torchrun passes on to its
 workers, is tested on a real `torchrun --standalone`. Every launch is bounded and its processes killed on timeout."""
-import glob, os, signal, subprocess, time
+import glob, os, re, signal, subprocess, time
 from pathlib import Path
 import pytest
 from helpers import PY, TESTS, start, finish, load_result, diff_values
@@ -73,6 +73,17 @@ def test_two_ranks(reference):
     assert len((out/'run'/'history.csv').read_text().splitlines()) == 4
     # validation in fit (rank 0, broadcast) equals a single-process evaluation of the final weights on each rank, bit for bit
     for r in (r0, r1): assert r['validate'] == r['values'][-1][1:], (r['validate'], r['values'][-1])
+
+def test_every_secs(forker, tmp_path):
+    """AutoResume(every_secs) on 2 ranks: a resume point each time `every_secs` have passed, on every rank's clock; not one a batch
+    once the first was due (a rank other than 0 that never restarted its clock made every later batch due for all)"""
+    every = 0.5
+    ranks(forker, tmp_path, '--every-secs', every, '--sleep', '0.1', '--epochs', '2', '--n-train', '14')
+    r0,r1 = results(tmp_path)
+    assert r0['train_iter'] == r1['train_iter'] == 14  # 210 items: 105 a rank, 7 batches of 15
+    points = {m for f in r0['writes'] for m in re.findall(r'autoresume-(\d{4})\.pth', f)}
+    # 1.4 s of sleep alone: at least 2 periodic points; at most one per `every` seconds the fit took, and the 2 epochs' ends
+    assert 2 + 2 <= len(points) <= 2 + r0['secs']/every + 1, (sorted(points), r0['secs'])
 
 def test_stop_on_rank0_stops_both(forker, tmp_path):
     ranks(forker, tmp_path, '--epochs', '4', '--stop-rank0-at', '1')
