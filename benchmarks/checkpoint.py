@@ -4,7 +4,7 @@ from pathlib import Path
 from fastai.callback.core import Callback, CancelFitException
 import fastai.callback.schedule  # noqa: F401 (fit_one_cycle)
 from resumable_train.point import checkpoint
-from resumable_train.learner import log_history
+from resumable_train.point import _log_history as log_history  # the step `write_point` takes after `checkpoint`
 from resumable_train.store import LocalStore
 from resumable_train.files import _compact, resume_record, write_checkpoint
 from resumable_train.files import fsync as _fsync
