@@ -11,7 +11,7 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.progress import ProgressCallback
 from resumable_train.autoresume import AutoResume
 from resumable_train.fitcalls import RunState
-from resumable_train.autoresume import Snapshot, StandInCopies, host_copy, tensor_leaves
+from resumable_train.checkpoints import Snapshot, StandInCopies, host_copy, tensor_leaves
 from common import *
 
 def sizes(device, quick)->dict:

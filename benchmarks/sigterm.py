@@ -27,7 +27,7 @@ def _child(size, d, wfd, device):
 
 def serve(size, reps, device=None)->list:
     "In a process that has trained nothing: for each repetition fork a training child, SIGTERM it mid-training, time until it exits"
-    from resumable_train.autoresume import list_checkpoints
+    from resumable_train.checkpoints import list_checkpoints
     from resumable_train.files import read_checkpoint, resume_record
     out = []
     for _ in range(reps):

@@ -13,7 +13,9 @@ from .loaders import allow_replay
 from .skip import SkipToIter
 from .seeds import SeedBatches
 from .workers import WorkerStreams
-from .autoresume import AutoResume, list_checkpoints, newest_valid, wandb_id
+from .checkpoints import list_checkpoints, newest_valid
+from .trackers import wandb_id
+from .autoresume import AutoResume
 from .distributed import DDPTrainer, init_distributed
 from .cli import checkpoint_info, weights_digest, digits_learner
 

@@ -381,7 +381,7 @@ def _walkthrough(a)->int:
     "`demo --no-kill`: one run, paced for a Ctrl-C by hand"
     AutoResume = _quiet_imports()
     from resumable_train.fitcalls import forget_runs
-    from resumable_train.autoresume import newest_valid
+    from resumable_train.checkpoints import newest_valid
     forget_runs()  # each demo command is a script of its own, also when `main` runs twice in one process
     from fastai.callback.core import Callback
     class _Pause(Callback):

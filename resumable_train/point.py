@@ -202,7 +202,7 @@ def write_point(learn, store, # the store to write in (`locate`); ignored on ran
                 name:str, # the file's name in `store`
                 log:str|None=None, # the history log's name in `store`: by default `name` with `.history` for `.pth`
                 extra:dict|None=None, # more plain values to keep in the record
-                write=None, # `write(ck, start)` writes the point `ck`, then calls `start()`: by default `store.save` now
+                write=None, # `write(ck, start)` writes the point `ck`, then calls `start()`; by default `store.save`
                 **kwargs, # for `store.save`: `durable`, `pickle_protocol`
                ):
     "Make `learn`'s resume point and write it as `name` in `store`, its per-batch histories in the log `log`"

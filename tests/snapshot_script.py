@@ -25,7 +25,8 @@ warnings.showwarning = lambda msg, *args, **kw: print('SNAP warning', msg, flush
 
 say = lambda s: print('SNAP', s, flush=True)
 if not a.stock:
-    from resumable_train.autoresume import AutoResume, Snapshot, StandInCopies
+    from resumable_train.autoresume import AutoResume
+    from resumable_train.checkpoints import Snapshot, StandInCopies
     Snapshot.copies = StandInCopies(room=not a.no_room, delay=0.15, say=say)
     class Told(AutoResume):
         "`AutoResume` that says when a resume point is written"

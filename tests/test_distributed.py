@@ -6,7 +6,7 @@ import glob, os, re, signal, subprocess, time
 from pathlib import Path
 import pytest
 from helpers import PY, TESTS, start, finish, load_result, diff_values
-from resumable_train.autoresume import newest_valid
+from resumable_train.checkpoints import newest_valid
 from resumable_train.files import resume_record
 from test_elastic import free_port
 from killrerun import snapshot

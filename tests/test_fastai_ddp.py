@@ -7,7 +7,7 @@ import pytest
 from helpers import PY, TESTS, start, finish, diff_values
 from test_distributed import start_ranks, wait_ranks, why, wait_for, every_process, TIMEOUT
 from test_elastic import free_port
-from resumable_train.autoresume import newest_valid
+from resumable_train.checkpoints import newest_valid
 from resumable_train.files import resume_record
 import fastai.distributed, fastai.vision.all  # noqa: F401 (imported once here, not in every forked rank)
 

@@ -7,7 +7,7 @@ import pytest
 from forked import StockForker
 from helpers import TESTS
 from killrerun import compare, same_as_stock
-from resumable_train.autoresume import newest_valid
+from resumable_train.checkpoints import newest_valid
 from resumable_train.files import resume_record
 
 SCRIPT = TESTS/'group_signal_script.py'

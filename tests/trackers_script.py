@@ -32,7 +32,7 @@ learn = digits_learner('.', cbs=cbs)
 if 'wandb' in kinds:
     import wandb
     from fastai.callback.wandb import WandbCallback
-    if not stock: from resumable_train.autoresume import wandb_id
+    if not stock: from resumable_train.trackers import wandb_id
     wandb.init(project='resumable-train-tests', id='stockrun' if stock else wandb_id(learn), resume='allow')  # offline: see test_trackers.py
     learn.gather_args = dict  # fastai's WandbCallback cannot describe a dataset of tuples (its config: no matter here)
     learn.add_cb(WandbCallback(log_preds=False))
