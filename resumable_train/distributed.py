@@ -85,7 +85,7 @@ from .collectives import (world_size, group_device, collective, give_up, comm_fa
                                          watch_peers, stop_watching, name_trainer, agree)
 from .loaders import loader_record, reshards
 from .point import fit_position
-from .skip import fastai_pct, SkipToIter
+from .skip import fastai_pct
 from .seeds import seeded
 from .learner import *
 from .learner import world_error
@@ -305,8 +305,7 @@ def _epoch_position(self:DDPTrainer)->int|None:
 @patch
 def state_dict(self:RankGate):
     "World size, position in the epoch's sample order, and every rank's random streams (all of them on rank 0)"
-    skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
-    er = getattr(skip, 'epoch_rng', None)
+    er = self.learn.resume.epoch_rng
     pos,dl = fit_position(self.learn),self._data()
     # a stream's position: each rank's own
     loader = loader_record(dl) if is_stream(dl) and pos is not None and pos[1] else None
@@ -335,13 +334,13 @@ def load_state_dict(self:RankGate, sd):
     if not self.active: return
     mine = _rank_streams(sd, self.rank)
     self.pending = mine['rng']
-    skip = next((cb for cb in self.learn.cbs if isinstance(cb, SkipToIter)), None)
     # where this rank's stream goes on
-    if mine.get('loader') is not None and skip.rp is not None: skip.rp['loader'] = mine['loader']
-    if self.learn.resume.event != 'before_train' or skip.epoch_rng is None: return
-    if mine.get('epoch_rng') is not None: skip.epoch_rng = dict(skip.epoch_rng, rng=mine['epoch_rng'])
+    rs = self.learn.resume
+    if mine.get('loader') is not None and rs.point is not None: rs.point['loader'] = mine['loader']
+    if rs.event != 'before_train' or rs.epoch_rng is None: return
+    if mine.get('epoch_rng') is not None: rs.epoch_rng = dict(rs.epoch_rng, rng=mine['epoch_rng'])
     # written by 0.1.0
-    elif mine.get('epoch_torch') is not None: skip.epoch_rng = dict(skip.epoch_rng, torch=mine['epoch_torch'])
+    elif mine.get('epoch_torch') is not None: rs.epoch_rng = dict(rs.epoch_rng, torch=mine['epoch_torch'])
 
 # %% ../nbs/04_distributed.ipynb #e1a57c20
 @patch

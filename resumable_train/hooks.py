@@ -120,6 +120,8 @@ class ResumeState:
         self.sent = (), {}, []
         self.zeroed = False  # in a fit: `zero_grad` zeroed the gradients (after a step), not known before the first
         self.plan = None  # the running fit call's `fit_plan`, worked out once (`fit_plan_once`)
+        # the resume point the running fit call continues (`pending`, taken); the random streams its epoch started with
+        self.point,self.epoch_rng = None,None
     # `learn.export`: a Learner loaded with `load_learner` starts with no resume state
     def __getstate__(self): return {}
     def __setstate__(self, d): self.__init__()
@@ -139,6 +141,7 @@ class ResumeState:
     def end(self):
         "The fit call ended, whatever the way"
         self.fitting,self.skipping,self.start_epoch,self.first_iter,self.rested = False,False,0,0,False
+        self.point,self.epoch_rng = None,None
     def stage_mark(self)->dict|None:
         "What a stage saved now between fit calls stands for: its run, and how many of the run's fit calls it follows"
         return None if self.run is None else dict(where=self.run.where, done=self.run.calls.done)

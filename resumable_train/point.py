@@ -118,7 +118,7 @@ def resume_point(learn)->dict|None:
                               hypers=learn.opt.hypers, setup=run_setup(learn, learn.n_epoch), meta=_meta())),
         rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders],  # plain already:
         dl_states=dl_states(learn), modules=module_states(learn.model),
-        epoch_rng=learn.skip_to_iter.epoch_rng if it else None, loader=loader, callbacks=callback_states(learn),
+        epoch_rng=learn.resume.epoch_rng if it else None, loader=loader, callbacks=callback_states(learn),
         workers=_worker_streams(learn) if it else None,
         metric_names=_value_names(learn), plan=fit_plan_once(learn),
         grads=_grad_states(learn))  # walked once more, these would cost more than the rest of the snapshot

@@ -104,12 +104,12 @@ class SkipToIter(LeanCallback):
     order = 1000
     def __init__(self, epoch:int=0, # the epoch to start in
                  iter:int=0, # the first batch to train in that epoch
-                ): self.start_epoch,self.start_iter,self.rp,self.epoch_rng = epoch,iter,None,None
+                ): self.start_epoch,self.start_iter = epoch,iter
 
     def before_fit(self):
         if self.learn.resume.skipping: return  # a fit call that finished in an earlier run: it trains nothing
         check_len(self.dls.train)
-        self.rp = rp = self.learn.resume.take()
+        self.learn.resume.point = rp = self.learn.resume.take()
         if rp is not None:
             check_resumable(self.dls.train)
             check_callbacks(self.learn)
@@ -131,7 +131,7 @@ class SkipToIter(LeanCallback):
         if mbar is not None and self.start_epoch: mbar.update(0)
         self.learn.train_iter = rp['train_iter'] if rp else self.start_epoch*len(self.dls.train) + self.start_iter
 
-    def _keep_epoch_rng(self): self.epoch_rng = epoch_streams(self.learn)
+    def _keep_epoch_rng(self): self.learn.resume.epoch_rng = epoch_streams(self.learn)
 
     def before_train(self):
         if self.epoch != self.start_epoch or not self.start_iter:
@@ -139,14 +139,15 @@ class SkipToIter(LeanCallback):
             # the stream draws from its own random streams in every epoch, so that a replay of this one sees them
             if replayed(self.dl): self.learn.dl = Resumed(loader_of(self.dl), 0, 'replay')
             return
-        kind,rp = loader_kind(self.dl),self.rp
+        kind,rs = loader_kind(self.dl),self.learn.resume
+        rp = rs.point
         self.learn.pct_train = rp['pct_train'] if rp else fastai_pct(self.pct_train, self.start_iter, len(self.dl),
                                                                      self.n_epoch)
         if rp is None: self._keep_epoch_rng()
         else:
-            self.epoch_rng = rp['epoch_rng']
-            set_dl_rng_state(self.dls.train, self.epoch_rng['dl'])
-            restore_state(self.dls.train, self.epoch_rng.get('dl_state'))
+            rs.epoch_rng = rp['epoch_rng']
+            set_dl_rng_state(self.dls.train, rs.epoch_rng['dl'])
+            restore_state(self.dls.train, rs.epoch_rng.get('dl_state'))
             restore_streams(self.learn, rp, dls=False, fresh=rp['fresh'])
             resume_workers(self.learn, rp, self.start_iter)
         saved = (rp or {}).get('loader') or {}  # read after the callbacks' states: `DDPTrainer` gives each rank its own
@@ -155,8 +156,8 @@ class SkipToIter(LeanCallback):
                 f"{rp['file']} was written with a training DataLoader that resumes inside an epoch by "
                 f"{saved['kind']!r}; this one ({type(self.dl).__name__}) resumes by {kind!r}: "
                 "use the same kind of DataLoader, or resume from an epoch's end")
-        start = _epoch_start(self.epoch_rng, rp['rng']) if rp else None  # `epoch_rng` as the callbacks left it
+        start = _epoch_start(rs.epoch_rng, rp['rng']) if rp else None  # `epoch_rng` as the callbacks left it
         self.learn.dl = _fast_forward(self.dl, self.start_iter, kind, start, saved.get('position'))
-        self.learn.resume.first_iter,self.start_iter = self.start_iter,0
+        rs.first_iter,self.start_iter = self.start_iter,0
 
     def after_train(self): self.learn.resume.first_iter = 0  # validation numbers its batches from 0
