@@ -61,9 +61,10 @@ def _timed(name, device, f):
 def _autoresume(learn, d, name, device, on_device):
     "A background `AutoResume` whose `_save` is timed: stall (until `_save` returns and the training stream has its work done), total"
     ar = AutoResume(background=True, verbose=False, dir=Path(d)/name)
-    ar.learn,ar.next_num,ar.state,ar.run_state = learn,1,'training',RunState(name)  # as inside a fit call: `_save` is timed alone
-    ar.snapshot = Snapshot()
-    if not on_device: ar.snapshot.on_device = False  # the host copy: today's path
+    ar.learn,ar.state,ar.run_state = learn,'training',RunState(name)
+    ar.points.store = ar.store  # as inside a fit call: `_save` is timed alone
+    ar.points.snapshot = Snapshot()
+    if not on_device: ar.points.snapshot.on_device = False  # the host copy: today's path
     def f():
         _sync(device)
         t = time.perf_counter()
@@ -71,7 +72,7 @@ def _autoresume(learn, d, name, device, on_device):
         _sync(device)
         stall = time.perf_counter() - t
         ar.writer.wait(600)
-        chosen = ar.snapshot.on_device
+        chosen = ar.points.snapshot.on_device
         return {f'{name}: stall': stall, f'{name}: until written': time.perf_counter() - t, f'{name}: device path': float(bool(chosen))}
     return f
 

@@ -57,7 +57,7 @@ def child(device, out, kill_at, precision):
         def after_batch(self):
             if not self.training: return
             self.trained += 1
-            self.device_path |= bool(getattr(ar.snapshot, 'on_device', False))
+            self.device_path |= bool(getattr(ar.points.snapshot, 'on_device', False))
             if self.train_iter in kill_at: os.kill(os.getpid(), signal.SIGKILL)
 
     set_seed(3, reproducible=True)

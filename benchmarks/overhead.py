@@ -3,6 +3,7 @@ import contextlib, os, random, tempfile, time
 import torch
 from fastai.callback.core import Callback
 from resumable_train.autoresume import AutoResume
+from resumable_train.checkpoints import RunPoints
 from common import *
 
 def _serialise_only(self, ck, name, start=None):
@@ -16,10 +17,10 @@ PARTS = {'snapshot': lambda self, ck, name, start=None: None,  # the training th
 def _part(bg):
     "With `bg` a key of `PARTS`: AutoResume's writes do only that part"
     if bg not in PARTS: yield; return
-    old = AutoResume._write,AutoResume._prune
-    AutoResume._write,AutoResume._prune = PARTS[bg],lambda self: None
+    old = RunPoints._write,RunPoints.prune
+    RunPoints._write,RunPoints.prune = PARTS[bg],lambda self: None
     try: yield
-    finally: AutoResume._write,AutoResume._prune = old
+    finally: RunPoints._write,RunPoints.prune = old
 
 class TrainTimer(Callback):
     "Time the training phase of the epoch (the periodic resume points fall in it; the end-of-epoch one does not)"

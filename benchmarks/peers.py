@@ -60,7 +60,8 @@ def _rt_background(ar):
 def _rt_times(size, reps, d):
     learn = make_learner(reps+2, bs=64, size=size, path=d)
     ar = AutoResume(background=True, verbose=False, dir=Path(d)/'ar')
-    ar.learn,ar.next_num,ar.state,ar.run_state = learn,1,'training',RunState('peers')  # as inside a fit call
+    ar.learn,ar.state,ar.run_state = learn,'training',RunState('peers')
+    ar.points.store = ar.store  # as inside a fit call
     bare = lambda l: torch.save({'model': l.model.state_dict(), 'opt': l.opt.state_dict()}, Path(d)/'bare.pth')
     fns = {'bare': lambda l: _timed_dict('bare torch.save', bare, l),
            'save': lambda l: _timed_dict('resumable_train learn.save', l.save, Path(d)/'save', durable=False),

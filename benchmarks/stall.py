@@ -16,9 +16,9 @@ class TimedAutoResume(AutoResume):
             self.writes.append(time.perf_counter() - t)
         w._write = _timed
     def after_batch(self):
-        n,t = self.next_num,time.perf_counter()
+        n,t = self.points.next_num,time.perf_counter()
         super().after_batch()
-        if self.next_num != n: self.stalls.append(time.perf_counter() - t)
+        if self.points.next_num != n: self.stalls.append(time.perf_counter() - t)
 
 class Compute(Callback):
     "Stand in for the training compute between two resume points, and as long as a background write takes (a periodic resume point due during one is put off)"

@@ -32,8 +32,7 @@ from .store import RunLog, point_at
 import torch.distributed as dist
 from .collectives import agree
 from .loaders import allow_replay, check_callbacks, check_resumable, keep_buffers, loader_kind
-from .point import write_point
-from .checkpoints import Pending, Snapshot, Writer, entries, file_name, holder_rank, scan_run
+from .checkpoints import RunPoints, Writer, file_name, holder_rank, scan_run, record_text
 from .signals import SIGNALS, StopSignals, WorkerSignals
 from .trackers import continue_trackers
 
@@ -42,14 +41,6 @@ __all__ = ['AutoResume']
 
 # %% ../nbs/03d_autoresume.ipynb #9180fd52
 _WORLD_KEYS = ('n_iter', 'n_items', 'world_size')   # what another number of processes changes in `run_setup`
-
-def _describe(rec):
-    "Where a record stands, numbered as the progress bar numbers it"
-    i = rec['fit_index']
-    s = rec['setup'] if rec['epoch'] is not None else rec['fits'][i]
-    pos = (position_text(rec['epoch'], rec['iter'], s['n_epoch'], s['n_iter']) if rec['epoch'] is not None else
-           f"end of epoch {rec.get('last_epoch', s['n_epoch']-1)+1}/{s['n_epoch']}")
-    return f"fit call {i+1}, {pos}" if len(rec['fits']) > 1 else pos
 
 def _stem(file):
     "`file` without `.pth`, as `learn.load` and `learn.save` take it"
@@ -168,8 +159,10 @@ class AutoResume(LeanCallback):
         "The state between fit calls: every field a fit call sets, at rest (see the table above)"
         self.state,self.decision,self.run_state,self.last_save = 'idle',None,None,None
         self.check,self.group = None,False  # `resumable-train check`'s `CheckRun`; a process group to agree with
-        self.stop_signals,self.worker_signals,self.runlog,self.snapshot = self._new_stop_signals(),None,None,None
-        self.added,self.due,self.last_point,self.next_num,self.src = None,False,None,1,0
+        self.stop_signals,self.worker_signals,self.runlog = self._new_stop_signals(),None,None
+        # what this fit call writes: its store is known once it has looked (`_scan`)
+        self.points = RunPoints(None, self.fname, self.keep, self.writer, self.background, ends=lambda: self.ends)
+        self.added,self.due,self.src = None,False,0
         self.watched,self.last_epoch,self.stop_note,self.end_state = [],None,'',None
 
     # `learn.export` pickles the callbacks: the run, the handlers and the run log stay with this process
@@ -211,10 +204,7 @@ class AutoResume(LeanCallback):
 
     def _new_stop_signals(self): return StopSignals(self.signals, self.writer.abandon, self._kept)
 
-    def _kept(self)->str:
-        "Where a rerun continues from, in words"
-        if self.last_point is None: return "a rerun starts the run from the beginning: it has no complete resume point"
-        return f"a rerun continues from {self.last_point[0]} ({self.last_point[1]})"
+    def _kept(self)->str: return self.points.kept()  # where a rerun continues from, in words
 
     def _refusal(self, what): return _refusal(self.folder, self.fname, what)
 
@@ -253,7 +243,8 @@ class AutoResume(LeanCallback):
 
     def _scan(self):
         "The newest valid resume point of the run, any node's: `(file, record, checkpoint)`; and the next file number"
-        file,state,self.src,self.next_num = scan_run(self.store, self.fname, self.wait)
+        self.points.store = self.store
+        file,state,self.src,self.points.next_num = scan_run(self.store, self.fname, self.wait)
         return file, (None if file is None else resume_record(state)), state
 
     def _decide(self, plan)->tuple:
@@ -276,7 +267,7 @@ class AutoResume(LeanCallback):
             return ('start', None, None, None)
         if rec.get('fit_index') is None:
             raise _different_run(self.folder, self.fname, f"{file_name(file)} was not written by AutoResume")
-        self.last_point = (file, _describe(rec))
+        self.points.last = (file, record_text(rec))
         skip = _WORLD_KEYS if self.elastic else ()
         diff = [] if i >= len(rec['fits']) else setup_diff(rec['fits'][i], self.fits[-1], skip=skip)
         if diff: raise _different_run(self.folder, self.fname, _setup_refusal(rec, i, diff))
@@ -293,7 +284,7 @@ class AutoResume(LeanCallback):
                 except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
             return ('continue', file, rec, state)
         if (rec['fit_index'], rec['epoch'] is None) != (i-1, True):
-            raise self._refusal(f"AutoResume: the newest resume point in {self.folder} is at {_describe(rec)}, but "
+            raise self._refusal(f"AutoResume: the newest resume point in {self.folder} is at {record_text(rec)}, but "
                                 f"this process has already finished fit call {i}: the files changed while it ran")
         self.ends = list(rec.get('ends', [])[:i])
         return ('after' if i > n else 'start', file, rec, None)  # 'after': this process did not make call i-1
@@ -407,7 +398,7 @@ class AutoResume(LeanCallback):
         # the files hold nothing after this call: one message says all
         last = rec['fit_index'] == i and rec['epoch'] is None
         self._say(f"AutoResume: fit call {i+1} finished {when}; its end state is loaded from {where}" + (
-            f" ({_describe(end_rec)}), the last the run's files hold, and nothing is trained: a fit call after it "
+            f" ({record_text(end_rec)}), the last the run's files hold, and nothing is trained: a fit call after it "
             f"trains on from there; to train again from the start, run `resumable-train clean {self.folder} --fname "
             f"{self.fname}`"
             if last else ''))
@@ -416,7 +407,7 @@ class AutoResume(LeanCallback):
 
     def _continue(self, file, rec, state):
         "Continue this fit call from its resume point `file`"
-        self._say(f"AutoResume: continuing from {file} ({_describe(rec)})")
+        self._say(f"AutoResume: continuing from {file} ({record_text(rec)})")
         try: load_through(self.learn, _stem(file), strict_hypers=None, state=state, elastic=self.elastic,
                           fresh_callbacks=self.fresh_callbacks)
         except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
@@ -486,8 +477,7 @@ class AutoResume(LeanCallback):
         self.due = periodic and self.background and bool(agree(self.writer.busy))
         if self.due: return  # the previous one is still being written: this one is taken at a batch after it
         self._check_watched()
-        name = f'{self.fname}-{self.next_num:04d}.pth'
-        self.next_num += 1
+        name = self.points.name()
         ends = self.ends[:self.fit_index] + ([name] if end else [])
         rs = self.run_state
         # at the end, the weights the next call would start from: a rerun that loads them from a cache makes that call
@@ -496,20 +486,9 @@ class AutoResume(LeanCallback):
         extra = dict(fit_index=self.fit_index, fits=rs.fits, ends=ends, starts=starts,
                      **({'last_epoch': self.epoch, 'train_modes': modes} if end else {}))
         if end: self.ends = ends
-        # before copying: one copy of the state at a time
-        if not rank_distrib() and not self.writer.wait(stopping): return
-        write_point(self.learn, self.store, name, log=self.log, extra=extra,
-                    write=partial(self._hand_over, name, stopping))
+        if not self.points.write(self.learn, name, stopping, log=self.log, extra=extra): return
         self.last_save = time.monotonic()  # on every rank: each decides when the next is due (`agree`)
         return name
-
-    def _hand_over(self, name, stopping, ck, start):
-        "Give the writer the resume point `ck`: in the background, as a snapshot on the device when it has room"
-        if self.background:
-            self.snapshot = self.snapshot or Snapshot()
-            ck = self.snapshot.take(ck)  # `Pending`
-        bg = self.background or stopping is not None
-        self.writer(partial(self._write, ck, name, start), then=self._prune, background=bg)
 
     def _check_watched(self):
         "Warn once for each callback of the user's whose attributes changed while training but that keeps no state"
@@ -524,28 +503,6 @@ class AutoResume(LeanCallback):
                           f"elsewhere. Give {type(cb).__name__} state_dict() and load_state_dict() (or register_state)",
                           stacklevel=user_stacklevel())
 
-    def _write(self, ck, name, start=None):
-        "Write the resume point `ck` as `name`, and start the history log it could not append to"
-        if isinstance(ck, Pending): ck = ck.to_host()  # a device snapshot: its copy to the host ends here
-        try:
-            self.store.save(ck, name, cancel=self.writer.cancel)
-            if start: start()
-        except OSError as e:
-            if e.errno != errno.ENOSPC: raise
-            raise OSError(e.errno, f"{e.strerror}; {self._kept()} once there is room") from None
-        # written and durable: where a rerun continues
-        self.last_point = (self.store.where(name), _describe(resume_record(ck)))
-
-    def _prune(self):
-        es = entries(self.store, self.fname)
-        keep = [e.name for e in es if e.complete][:self.keep]
-        for e in es:
-            if e.name in keep or e.name in self.ends: continue
-            try: self.store.remove(e.name)
-            except OSError as err:
-                warnings.warn(f"AutoResume could not remove an old resume point: {err}; the next resume point "
-                              "tries again")
-
     # ---- stopping
     def _stop(self, signum):
         "Write a resume point, waiting at most `stop_wait` seconds for the writes; stop, saying where a rerun continues"
@@ -559,7 +516,7 @@ class AutoResume(LeanCallback):
         except WriteCancelled: pass
         except Exception as e: warnings.warn(f"AutoResume: {e}")
         finally: self.stop_signals.stopping = False
-        written = self.last_point is not None and file_name(self.last_point[0]) == name
+        written = self.points.last is not None and file_name(self.points.last[0]) == name
         saved = name is not None and (bool(rank_distrib()) or written)  # rank 0 writes
         self._to('stopping')
         self.stop_signals.signum = signum

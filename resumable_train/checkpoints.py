@@ -4,14 +4,17 @@
 
 # %% ../nbs/03a_checkpoints.ipynb #0f709534
 from __future__ import annotations
-import os, threading, time, warnings
+import errno, os, threading, time, warnings
+from functools import partial
 import torch, torch.distributed as dist
+from fastcore.basics import store_attr
 from fastcore.foundation import L
 from fastai.torch_core import rank_distrib
 from .files import *
 from .store import *
 from .collectives import agree, collective, group_device, share_checkpoint
 from .files import checkpoint_number
+from .point import write_point
 
 # %% auto #0
 __all__ = ['list_checkpoints', 'newest_valid']
@@ -276,3 +279,73 @@ class StandInCopies(DeviceCopies):
         out = host_copy(tree, buf)
         self.say('copy')
         return out
+
+# %% ../nbs/03a_checkpoints.ipynb #92c3a699
+def record_text(rec)->str:
+    "Where a record stands, numbered as the progress bar numbers it"
+    i = rec['fit_index']
+    s = rec['setup'] if rec['epoch'] is not None else rec['fits'][i]
+    pos = (position_text(rec['epoch'], rec['iter'], s['n_epoch'], s['n_iter']) if rec['epoch'] is not None else
+           f"end of epoch {rec.get('last_epoch', s['n_epoch']-1)+1}/{s['n_epoch']}")
+    return f"fit call {i+1}, {pos}" if len(rec['fits']) > 1 else pos
+
+class RunPoints:
+    "The resume points of a run's fit call: numbered, written one at a time through `writer`, the oldest pruned"
+    def __init__(self, store, # where they live (`None` until the fit call has looked)
+                 fname:str, # their names: `{fname}-0001.pth`, ...
+                 keep:int, # how many complete ones to keep, besides the fit calls' end states
+                 writer:Writer, # the run's writer (it outlives a fit call)
+                 background:bool=False, # write in the background, from a snapshot (on the device when it has room)
+                 ends=list, # what returns the end states' names when pruning (they are kept)
+                ):
+        store_attr()
+        self.next_num,self.last,self.snapshot = 1,None,None  # the next number; the newest complete point: (file, where)
+
+    def name(self)->str:
+        "The name of the next resume point"
+        self.next_num += 1
+        return f'{self.fname}-{self.next_num-1:04d}.pth'
+
+    def kept(self)->str:
+        "Where a rerun continues from, in words"
+        if self.last is None: return "a rerun starts the run from the beginning: it has no complete resume point"
+        return f"a rerun continues from {self.last[0]} ({self.last[1]})"
+
+    def write(self, learn, name:str, # the file's name in the store (`name()`)
+              stopping:float|None=None, # a signal stops the run: the seconds left to wait for the write in flight
+              **kwargs)->bool: # for `write_point`: `log`, `extra`
+        "Write `learn`'s resume point as `name`; `False` if the write in flight did not end in time"
+        if not rank_distrib() and not self.writer.wait(stopping): return False  # one copy of the state at a time
+        write_point(learn, self.store, name, write=partial(self._hand_over, name, stopping), **kwargs)
+        return True
+
+    def _hand_over(self, name, stopping, ck, start):
+        "Give the writer the resume point `ck`: in the background, as a snapshot on the device when it has room"
+        if self.background:
+            self.snapshot = self.snapshot or Snapshot()
+            ck = self.snapshot.take(ck)  # `Pending`
+        bg = self.background or stopping is not None
+        self.writer(partial(self._write, ck, name, start), then=self.prune, background=bg)
+
+    def _write(self, ck, name, start=None):
+        "Write the resume point `ck` as `name`, and start the history log it could not append to"
+        if isinstance(ck, Pending): ck = ck.to_host()  # a device snapshot: its copy to the host ends here
+        try:
+            self.store.save(ck, name, cancel=self.writer.cancel)
+            if start: start()
+        except OSError as e:
+            if e.errno != errno.ENOSPC: raise
+            raise OSError(e.errno, f"{e.strerror}; {self.kept()} once there is room") from None
+        # written and durable: where a rerun continues
+        self.last = (self.store.where(name), record_text(resume_record(ck)))
+
+    def prune(self):
+        "Remove the resume points beyond the `keep` newest complete ones, but for the fit calls' end states"
+        es,ends = entries(self.store, self.fname),self.ends()
+        keep = [e.name for e in es if e.complete][:self.keep]
+        for e in es:
+            if e.name in keep or e.name in ends: continue
+            try: self.store.remove(e.name)
+            except OSError as err:
+                warnings.warn(f"AutoResume could not remove an old resume point: {err}; the next resume point "
+                              "tries again")

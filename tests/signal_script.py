@@ -38,7 +38,7 @@ def wait_for(cond, what, timeout=20):
         if time.monotonic() > deadline: raise TimeoutError(what)
         time.sleep(0.01)
 
-def chosen(rec, ar)->bool:
+def chosen(rec)->bool:
     "Is the resume point with record `rec` the write `--during` names?"
     end,f = rec['epoch'] is None,rec['fit_index']
     return {'end0': end and f == 0, 'end': end and f == len(rec['fits'])-1 and f == (1 if a.sched == 'fine_tune' else 0),
@@ -48,25 +48,27 @@ if not a.stock:
     from resumable_train.autoresume import AutoResume
     from resumable_train.files import resume_record
 
-    _write = AutoResume._write
+    from resumable_train.checkpoints import RunPoints
+
+    _write = RunPoints._write
     def write(self, ck, name, start=None):
-        "`AutoResume._write`, signalling this process during the chosen write"
-        rec = resume_record(ck)
-        if a.during and chosen(rec, self): os.kill(os.getpid(), sig); print('SIGNALLED during', name, flush=True)
-        if (a.busy and not self.stop_signals.stopping and rec['epoch'] is not None and rec['train_iter'] >= 4
+        "`RunPoints._write`, signalling this process during the chosen write"
+        rec,stop = resume_record(ck),next(cb for cb in learn.cbs if isinstance(cb, AutoResume)).stop_signals
+        if a.during and chosen(rec): os.kill(os.getpid(), sig); print('SIGNALLED during', name, flush=True)
+        if (a.busy and not stop.stopping and rec['epoch'] is not None and rec['train_iter'] >= 4
                 and not self.writer.cancel.is_set()):
             os.kill(os.getpid(), signal.SIGTERM)
             self.writer.cancel.wait(30)  # held until the stop abandons it
-        if self.stop_signals.stopping:
+        if stop.stopping:
             for k in range(a.presses):
                 time.sleep(0.6)  # the same signal twice within half a second counts once
                 os.kill(os.getpid(), signal.SIGINT)
-                if k == 0: wait_for(lambda: self.stop_signals.presses == 1, 'the second Ctrl-C')
+                if k == 0: wait_for(lambda: stop.presses == 1, 'the second Ctrl-C')
                 else: wait_for(self.writer.cancel.is_set, 'the third Ctrl-C')
             if a.fail_stop:
                 raise OSError(errno.EROFS, f"Could not write {self.store.where(name)}: Read-only file system; nothing was written")
         return _write(self, ck, name, start)
-    AutoResume._write = write
+    RunPoints._write = write
 
     class Trigger(Callback):
         "Ctrl-C after training batch `--stop-at`, or an exception in batch `--error-at` (counted in the process, from 1)"

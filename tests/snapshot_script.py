@@ -26,13 +26,15 @@ warnings.showwarning = lambda msg, *args, **kw: print('SNAP warning', msg, flush
 say = lambda s: print('SNAP', s, flush=True)
 if not a.stock:
     from resumable_train.autoresume import AutoResume
-    from resumable_train.checkpoints import Snapshot, StandInCopies
+    from resumable_train.checkpoints import Snapshot, StandInCopies, RunPoints
     Snapshot.copies = StandInCopies(room=not a.no_room, delay=0.15, say=say)
-    class Told(AutoResume):
-        "`AutoResume` that says when a resume point is written"
-        def _write(self, ck, name, start=None):
-            super()._write(ck, name, start)
-            say(f'written {name}')
+    _write = RunPoints._write
+    def told(self, ck, name, start=None):
+        "`RunPoints._write`, saying when a resume point is written"
+        _write(self, ck, name, start)
+        say(f'written {name}')
+    RunPoints._write = told
+    Told = AutoResume
 
 set_seed(3, reproducible=True)
 x,y = load_digits(return_X_y=True)
