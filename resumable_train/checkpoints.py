@@ -303,8 +303,8 @@ class RunPoints:
 
     def name(self)->str:
         "The name of the next resume point"
-        self.next_num += 1
-        return f'{self.fname}-{self.next_num-1:04d}.pth'
+        n,self.next_num = self.next_num,self.next_num + 1
+        return f'{self.fname}-{n:04d}.pth'
 
     def kept(self)->str:
         "Where a rerun continues from, in words"

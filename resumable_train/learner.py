@@ -48,11 +48,11 @@ def save(self:Learner, file, # a name in `learn.path/learn.model_dir`, a path, o
     # run that `AutoResume` keeps, the stage a rerun may load from a cache instead of training it
     if with_iter is None: with_iter = not self.resume.fitting and self.resume.run is not None
     file,full = _location(self, file),with_opt and with_iter and self.opt is not None
-    if full:
-        store,name = locate(file) if not rank_distrib() else (None, None)
-        return write_point(self, store, name, extra=extra, durable=durable, pickle_protocol=pickle_protocol) or file
-    if rank_distrib(): return file
+    if rank_distrib():
+        if full: write_point(self, None, None)  # every rank takes part in gathering the states; rank 0 writes
+        return file
     store,name = locate(file)
+    if full: return write_point(self, store, name, extra=extra, durable=durable, pickle_protocol=pickle_protocol)
     if store.local:
         save_model(file, self.model, getattr(self,'opt',None), with_opt=with_opt, pickle_protocol=pickle_protocol)
         return file

@@ -206,7 +206,9 @@ def write_point(learn, store, # the store to write in (`locate`); ignored on ran
                 **kwargs, # for `store.save`: `durable`, `pickle_protocol`
                ):
     "Make `learn`'s resume point and write it as `name` in `store`, its per-batch histories in the log `log`"
-    if rank_distrib(): return resume_point(learn) and None  # every rank takes part in gathering the states
+    if rank_distrib():  # every rank takes part in gathering the states; rank 0 writes
+        resume_point(learn)
+        return None
     ck = checkpoint(learn, extra=extra)
     start = _log_history(learn, ck, store, log or f"{name.removesuffix('.pth')}.history")
     if write is not None: return write(ck, start)
