@@ -20,7 +20,7 @@ from .store import *
 from .state import *
 from .state import qualname
 from .collectives import read_on_rank0
-from .point import restore_streams, restore_grads, fit_position
+from .point import ResumePoint, restore_streams, restore_grads, fit_position
 from .seeds import SeedBatches
 from .hooks import hide_probes, hide_progress, LeanCallback
 from .workers import WorkerStreams, keepable
@@ -280,7 +280,7 @@ class AutoResume(LeanCallback):
                                  "they apply from that resume point on, so the result matches neither run")
             # another number of processes: refused here, before fastai prints, if the trainer cannot continue it
             if self.elastic:
-                try: plan_resume(self.learn, dict(rec, file=str(file)), True)
+                try: plan_resume(self.learn, ResumePoint.from_record(rec, file), True)
                 except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
             return ('continue', file, rec, state)
         if (rec['fit_index'], rec['epoch'] is None) != (i-1, True):
@@ -425,9 +425,7 @@ class AutoResume(LeanCallback):
         if rec is None or rec.get('fit_index') != i or rec.get('epoch') is not None:
             raise self._refusal(f"AutoResume: {file} is named as the end state of fit call {i+1} but does not hold it")
         # perhaps written on another number of processes: its trainer's state as this run's trainer (or none) takes it
-        if self.elastic:
-            rec = dict(rec, file=str(file))
-            plan_resume(self.learn, rec, True)
+        if self.elastic: rec = plan_resume(self.learn, ResumePoint.from_record(rec, file), True).to_record()
         if after: self._cached_data(rec, i)
         # after a cached stage, the script loaded the weights and the optimizer itself, and its code since may have
         # changed them (`freeze` clears the optimizer's state): they stay as they are

@@ -84,7 +84,7 @@ from .state import metric_state, set_metric_state, qualname
 from .collectives import (world_size, group_device, collective, give_up, comm_failure, CollectiveError,
                                          watch_peers, stop_watching, name_trainer, agree)
 from .loaders import loader_record, reshards
-from .point import fit_position
+from .point import ResumePoint, fit_position
 from .skip import fastai_pct
 from .seeds import seeded
 from .learner import *
@@ -150,7 +150,9 @@ class RankGate:
     ("What a trainer over a process group needs to resume exactly: the gate for events and stops, and every rank's "
      "random streams")
     who = 'DDPTrainer'  # whose process group it is, in the errors
-    rank0_cbs,pending,rest,elastic,fitting,gate_secs = (),None,None,False,False,0.
+    rank0_cbs,pending,elastic,fitting,gate_secs = (),None,False,False,0.
+    # an elastic resume's plan for the rest of the epoch it starts inside (`plan_resume`): `learn.resume` holds it
+    rest = property(lambda self: self.learn.resume.rest, lambda self, v: setattr(self.learn.resume, 'rest', v))
     inside_epoch = True  # a resume on another world size can continue inside an epoch
 
     def _where(self, what:str)->str:
@@ -332,15 +334,7 @@ def load_state_dict(self:RankGate, sd):
     if sd['world_size'] != self.world_size and not self.elastic:
         raise world_error('The resume point', sd['world_size'], self.world_size)
     if not self.active: return
-    mine = _rank_streams(sd, self.rank)
-    self.pending = mine['rng']
-    # where this rank's stream goes on
-    rs = self.learn.resume
-    if mine.get('loader') is not None and rs.point is not None: rs.point['loader'] = mine['loader']
-    if rs.event != 'before_train' or rs.epoch_rng is None: return
-    if mine.get('epoch_rng') is not None: rs.epoch_rng = dict(rs.epoch_rng, rng=mine['epoch_rng'])
-    # written by 0.1.0
-    elif mine.get('epoch_torch') is not None: rs.epoch_rng = dict(rs.epoch_rng, torch=mine['epoch_torch'])
+    self.pending = _rank_streams(sd, self.rank)['rng']  # this rank's (its position and epoch's streams: `_own_part`)
 
 # %% ../nbs/04_distributed.ipynb #e1a57c20
 @patch
@@ -408,7 +402,7 @@ def _saved_run(rp)->dict:
 @patch
 def _plan_stream(self:RankGate, rp:dict, sd:dict, now:int):
     "On `now` processes, continue `rp`, a run on a stream: at an epoch's end, if the stream splits anew (`reshards`)"
-    file,saved,dl = rp['file'],sd['world_size'],self._data()
+    file,saved,dl = rp.file,sd['world_size'],self._data()
     if rp['iter'] or not reshards(dl, now):
         split = ("; a Hugging Face IterableDataset split among the processes by shards (`split_dataset_by_node`, "
                  f"num_shards ≥ {now}) changes size at an epoch's end, not inside one" if reshards(dl, now) else "")
@@ -418,8 +412,8 @@ def _plan_stream(self:RankGate, rp:dict, sd:dict, now:int):
                               f"{saved} process(es), or load it with with_iter=False to start a new run from its "
                               "weights")
     setup = run_setup(self.learn, rp['setup']['n_epoch'])  # what this world size changes; the rest is checked
-    rp['setup'] = dict(rp['setup'], **{k: setup[k] for k in ('n_iter', 'n_items', 'world_size')})
-    rp['callbacks'] = dict(rp['callbacks'], distributed_trainer=sd)
+    return rp.replace(setup=dict(rp['setup'], **{k: setup[k] for k in ('n_iter', 'n_items', 'world_size')}),
+                      callbacks=dict(rp['callbacks'], distributed_trainer=sd))
 
 @patch
 def _shard_setup(self:DDPTrainer, dl, ws:int)->dict:
@@ -428,19 +422,29 @@ def _shard_setup(self:DDPTrainer, dl, ws:int)->dict:
     return dict(n_iter=len(full), n_items=full.n)
 
 @patch
-def plan_resume(self:RankGate, rp:dict|None, # the resume point `learn.load` leaves for the next `fit`, or `None`
+def _own_part(self:RankGate, rp, sd:dict):
+    "`rp` inside an epoch as this rank continues it: its own position in a stream, its own streams at the epoch's start"
+    if not (self.active and rp['iter']): return rp
+    mine,er = _rank_streams(sd, self.rank),rp['epoch_rng']
+    if er is not None and mine.get('epoch_rng') is not None: er = dict(er, rng=mine['epoch_rng'])
+    elif er is not None and mine.get('epoch_torch') is not None: er = dict(er, torch=mine['epoch_torch'])  # 0.1.0's
+    return rp.replace(epoch_rng=er, **({} if mine.get('loader') is None else dict(loader=mine['loader'])))
+
+@patch
+def plan_resume(self:RankGate, rp:ResumePoint|None, # the resume point `learn.load` leaves for the next `fit`, or `None`
                 elastic:bool=False, # continue it on another world size
-               ):
-    "Check the world size of `rp`; on another one (`elastic`), plan the rest of the epoch; called by `Learner.load`"
+               )->ResumePoint|None:
+    ("Check the world size of `rp`; on another one (`elastic`), plan the rest of the epoch; called by `Learner.load`: "
+     "the point this rank continues, a new one where planning changes it")
     self.elastic,self.rest = elastic,None
-    if rp is None: return
+    if rp is None: return None
     sd,now = _saved_run(rp),world_size()
-    saved,file = sd['world_size'],rp['file']
+    saved,file = sd['world_size'],rp.file
     if saved == now:
         self.rest = sd.get('rest')   # an epoch that an elastic resume started goes on as it began
-        return
+        return self._own_part(rp, sd)
     if not elastic: raise world_error(file, saved, now)
-    if is_stream(self._data()): return self._plan_stream(rp, sd, now)
+    if is_stream(self._data()): return self._own_part(self._plan_stream(rp, sd, now), sd)
     if rp['iter'] and not self.inside_epoch:
         raise CheckpointError(f"{file} is inside an epoch of a run on {saved} process(es); under fastai's "
                               "DistributedTrainer each rank trains a block of the epoch's order (its DistributedDL), "
@@ -459,12 +463,13 @@ def plan_resume(self:RankGate, rp:dict|None, # the resume point `learn.load` lea
                               "this one has "
                               f"{getattr(dl, 'n', None)} in batches of {getattr(dl, 'bs', None)}")
     # what this world size changes; the rest is checked
-    rp['setup'] = dict(rp['setup'], **self._shard_setup(dl, now), world_size=now)
-    rp['callbacks'] = dict(rp['callbacks'], distributed_trainer=sd)
-    if not rp['iter']: return
+    rp = rp.replace(setup=dict(rp['setup'], **self._shard_setup(dl, now), world_size=now),
+                    callbacks=dict(rp['callbacks'], distributed_trainer=sd))
+    if not rp['iter']: return rp
     # the batch of this run's epoch where the saved position falls
-    rp['iter'] = max(1, sd['position']//((dl.bs or 1)*now))
+    rp = rp.replace(iter=max(1, sd['position']//((dl.bs or 1)*now)))
     self.rest = dict(epoch=rp['epoch'], offset=sd['position'], first=rp['iter'], pct=rp['pct_train'])
+    return self._own_part(rp, sd)
 
 # %% ../nbs/04_distributed.ipynb #fa5t0002
 _FASTAI_DL = 'fastai.distributed.DistributedDL'

@@ -109,7 +109,8 @@ class ResumeState:
         # the fit method the user called; `start_epoch`, `start_iter` it passed
         self.call,self.start = None,(0, 0, 'fit')
         self.schedule = 'fit'  # the fit method whose schedule the running call follows
-        self.start_epoch,self.first_iter = 0,0  # the first epoch that sends events; the first batch of this epoch
+        # the first epoch that sends events, and the batch it starts at (until it does); the first batch of this epoch
+        self.start_epoch,self.start_iter,self.first_iter = 0,0,0
         self.skipping = False  # the running fit call finished in an earlier run: it trains nothing
         self.asked = []  # the optimizer's hyperparameters as the running fit call was asked for them, by group
         # `learn.load` put back a stage's random streams and gradients (`rest_point`) since the last fit
@@ -122,6 +123,7 @@ class ResumeState:
         self.plan = None  # the running fit call's `fit_plan`, worked out once (`fit_plan_once`)
         # the resume point the running fit call continues (`pending`, taken); the random streams its epoch started with
         self.point,self.epoch_rng = None,None
+        self.rest = None  # an elastic resume's plan for the rest of the epoch it starts inside (`DDPTrainer.plan_resume`)
     # `learn.export`: a Learner loaded with `load_learner` starts with no resume state
     def __getstate__(self): return {}
     def __setstate__(self, d): self.__init__()
@@ -140,8 +142,8 @@ class ResumeState:
     def begin(self, schedule:str): self.fitting,self.schedule,self.event = True,schedule,None
     def end(self):
         "The fit call ended, whatever the way"
-        self.fitting,self.skipping,self.start_epoch,self.first_iter,self.rested = False,False,0,0,False
-        self.point,self.epoch_rng = None,None
+        self.fitting,self.skipping,self.start_epoch,self.start_iter,self.first_iter,self.rested = False,False,0,0,0,False
+        self.point,self.epoch_rng,self.rest = None,None,None
     def stage_mark(self)->dict|None:
         "What a stage saved now between fit calls stands for: its run, and how many of the run's fit calls it follows"
         return None if self.run is None else dict(where=self.run.where, done=self.run.calls.done)

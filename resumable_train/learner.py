@@ -17,7 +17,7 @@ from .state import *
 from .store import is_url, locate
 from .hooks import short_refusals, FitEvents, fastai_code, fit_call, is_a, when_imported
 from .collectives import read_on_rank0, world_size
-from .point import restore_rest, write_point
+from .point import ResumePoint, restore_rest, write_point
 from .skip import SkipToIter
 from .fitcalls import run_setup
 
@@ -106,9 +106,9 @@ def world_error(file, saved, now):
 # %% ../nbs/02f_learner.ipynb #de796443
 def _check_world(learn, rp, file, elastic):
     ("A resume point of another world size, in a run without a trainer to plan it (fastai's `distrib_ctx` on one "
-     "process)")
+     "process): `rp`, or a new point that continues it here")
     saved,now = rp['callbacks'].get('distributed_trainer', {}).get('world_size', 1),world_size()
-    if saved == now: return
+    if saved == now: return rp
     if not elastic: raise world_error(file, saved, now)
     if rp['iter']:
         raise CheckpointError(f"{file} is inside an epoch of a run on {saved} process(es), and this run on {now} has "
@@ -117,14 +117,16 @@ def _check_world(learn, rp, file, elastic):
                               "(AutoResume(elastic=True) without every_iter or every_secs saves only there)")
     # from an epoch's end: the epochs to come are this run's own; the saved trainer's state has no callback to go to
     setup = run_setup(learn, rp['setup']['n_epoch'])
-    rp['setup'] = dict(rp['setup'], **{k: setup[k] for k in ('n_iter', 'n_items', 'world_size')})
-    rp['callbacks'] = {k:v for k,v in rp['callbacks'].items() if k != 'distributed_trainer'}
+    return rp.replace(setup=dict(rp['setup'], **{k: setup[k] for k in ('n_iter', 'n_items', 'world_size')}),
+                      callbacks={k:v for k,v in rp['callbacks'].items() if k != 'distributed_trainer'})
 
-def plan_resume(learn, rp, elastic):
-    "Let the callbacks that depend on the number of processes (the trainers) check `rp` and plan how it continues"
+def plan_resume(learn, rp:ResumePoint|None, elastic:bool)->ResumePoint|None:
+    ("Let the callbacks that depend on the number of processes (the trainers) check `rp` and plan how it continues: "
+     "the point this process continues, a new one where they change it")
     cbs = [cb for cb in learn.cbs if callable(getattr(cb, 'plan_resume', None))]
-    for cb in cbs: cb.plan_resume(rp, elastic)
-    if rp is not None and not cbs: _check_world(learn, rp, rp['file'], elastic)
+    for cb in cbs: rp = cb.plan_resume(rp, elastic)
+    if rp is not None and not cbs: rp = _check_world(learn, rp, rp.file, elastic)
+    return rp
 
 _loads = 0  # calls of the package's `Learner.load`: `_load_through` checks that a subclass's `load` reaches it
 
@@ -189,11 +191,9 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
     elif with_opt: warnings.warn("Saved file doesn't contain an optimizer state.")
     if between:
         self.resume.pending = None
-        if point:
-            rp = dict(rec, file=str(file), check=check_setup, strict_hypers=strict_hypers, fresh=list(fresh_callbacks))
-            plan_resume(self, rp, elastic)
-            self.resume.pending = rp
-        else: plan_resume(self, None, elastic)
+        rp = ResumePoint.from_record(rec, file, check=check_setup, strict_hypers=strict_hypers,
+                                     fresh=tuple(fresh_callbacks)) if point else None
+        self.resume.pending = plan_resume(self, rp, elastic)
         if stage:
             restore_rest(self, rest)  # a stage of this run, saved between two fit calls, goes on as it went on then
             self.resume.rested = True

@@ -13,10 +13,10 @@ from fastcore.basics import GetAttr
 from fastai.callback.core import Callback
 from .files import *
 from .state import *
-from .fitcalls import run_setup, check_setup, fit_plan, check_plan, asked_hypers, loader_of
+from .fitcalls import loader_of
 from .hooks import LeanCallback
-from .loaders import Resumed, check_callbacks, check_len, check_resumable, loader_kind, replayed
-from .point import resume_workers, epoch_streams, restore_dls, restore_grads, restore_streams
+from .loaders import Resumed, check_len, loader_kind, replayed
+from .point import epoch_streams, restore, restore_epoch
 
 # %% ../nbs/02d_skip.ipynb #b5c59e93
 def _drop_first(idxs, n):
@@ -89,10 +89,6 @@ def _fast_forward(dl, first_iter:int, kind:str, # `loader_kind(dl)`
     return Resumed(loader_of(dl), first_iter, kind, position, start)
 
 # %% ../nbs/02d_skip.ipynb #9655f72b
-def _epoch_start(er, rng):
-    "An epoch's starting random streams, from its `epoch_rng` (0.1.0 kept torch's only: the others from `rng`)"
-    return er['rng'] if 'rng' in er else dict(rng, torch_state=er['torch'])
-
 def fastai_pct(pct:float, it:int, n_iter:int, n_epoch:int)->float:
     "`pct_train` `it` batches after `pct`, summed as fastai's `TrainEvalCallback` sums it (bit for bit)"
     step = 1./(n_iter*n_epoch)
@@ -107,57 +103,39 @@ class SkipToIter(LeanCallback):
                 ): self.start_epoch,self.start_iter = epoch,iter
 
     def before_fit(self):
-        if self.learn.resume.skipping: return  # a fit call that finished in an earlier run: it trains nothing
+        rs = self.learn.resume
+        if rs.skipping: return  # a fit call that finished in an earlier run: it trains nothing
         check_len(self.dls.train)
-        self.learn.resume.point = rp = self.learn.resume.take()
-        if rp is not None:
-            check_resumable(self.dls.train)
-            check_callbacks(self.learn)
-            if rp['check']: check_setup(rp['setup'], run_setup(self.learn, self.n_epoch), rp['file'])
-            if rp.get('strict_hypers') is not None:
-                check_plan(rp.get('plan'), fit_plan(self.learn), rp['file'], rp['strict_hypers'])
-            self.start_epoch,self.start_iter = rp['epoch'],rp['iter']
-            asked = asked_hypers(rp.get('plan'), self.learn.resume.asked)  # what the user changed since: applied
-            for k in rp['hypers'][0]: self.opt.set_hyper(k, [asked.get((g,k), h[k]) for g,h in enumerate(rp['hypers'])])
-            restore_grads(self.learn, rp)
-            if not self.start_iter: restore_streams(self.learn, rp, fresh=rp['fresh'])
-            else: restore_dls(self.learn, rp)
+        rs.point = point = rs.take()
+        if point is not None: restore(self.learn, point)
         # resumed at its very end, a run ends as it would have
-        if not self.learn.resume.skipping: self.learn.resume.start_epoch = self.start_epoch
-        self.learn.epoch = min(self.start_epoch, self.n_epoch-1)
-        if rp is not None: self.learn.pct_train = rp['pct_train']
+        rs.start_epoch,rs.start_iter = (point['epoch'],point['iter']) if point else (self.start_epoch,self.start_iter)
+        self.learn.epoch = min(rs.start_epoch, self.n_epoch-1)
         mbar = getattr(getattr(self.learn, 'progress', None), 'mbar', None)
         # fastprogress needs a start before it can show epoch `start_epoch`
-        if mbar is not None and self.start_epoch: mbar.update(0)
-        self.learn.train_iter = rp['train_iter'] if rp else self.start_epoch*len(self.dls.train) + self.start_iter
-
-    def _keep_epoch_rng(self): self.learn.resume.epoch_rng = epoch_streams(self.learn)
+        if mbar is not None and rs.start_epoch: mbar.update(0)
+        if point is None: self.learn.train_iter = rs.start_epoch*len(self.dls.train) + rs.start_iter
 
     def before_train(self):
-        if self.epoch != self.start_epoch or not self.start_iter:
-            self._keep_epoch_rng()
+        rs = self.learn.resume
+        if self.epoch != rs.start_epoch or not rs.start_iter:
+            rs.epoch_rng = epoch_streams(self.learn)
             # the stream draws from its own random streams in every epoch, so that a replay of this one sees them
             if replayed(self.dl): self.learn.dl = Resumed(loader_of(self.dl), 0, 'replay')
             return
-        kind,rs = loader_kind(self.dl),self.learn.resume
-        rp = rs.point
-        self.learn.pct_train = rp['pct_train'] if rp else fastai_pct(self.pct_train, self.start_iter, len(self.dl),
-                                                                     self.n_epoch)
-        if rp is None: self._keep_epoch_rng()
+        kind,point = loader_kind(self.dl),rs.point
+        if point is None:
+            self.learn.pct_train = fastai_pct(self.pct_train, rs.start_iter, len(self.dl), self.n_epoch)
+            rs.epoch_rng,start,saved = epoch_streams(self.learn),None,{}
         else:
-            rs.epoch_rng = rp['epoch_rng']
-            set_dl_rng_state(self.dls.train, rs.epoch_rng['dl'])
-            restore_state(self.dls.train, rs.epoch_rng.get('dl_state'))
-            restore_streams(self.learn, rp, dls=False, fresh=rp['fresh'])
-            resume_workers(self.learn, rp, self.start_iter)
-        saved = (rp or {}).get('loader') or {}  # read after the callbacks' states: `DDPTrainer` gives each rank its own
-        if rp is not None and saved.get('kind', kind) != kind:
-            raise CheckpointError(
-                f"{rp['file']} was written with a training DataLoader that resumes inside an epoch by "
-                f"{saved['kind']!r}; this one ({type(self.dl).__name__}) resumes by {kind!r}: "
-                "use the same kind of DataLoader, or resume from an epoch's end")
-        start = _epoch_start(rs.epoch_rng, rp['rng']) if rp else None  # `epoch_rng` as the callbacks left it
-        self.learn.dl = _fast_forward(self.dl, self.start_iter, kind, start, saved.get('position'))
-        rs.first_iter,self.start_iter = self.start_iter,0
+            start,saved = restore_epoch(self.learn, point),point['loader'] or {}
+            if saved.get('kind', kind) != kind:
+                raise CheckpointError(
+                    f"{point.file} was written with a training DataLoader that resumes inside an epoch by "
+                    f"{saved['kind']!r}; this one ({type(self.dl).__name__}) resumes by {kind!r}: "
+                    "use the same kind of DataLoader, or resume from an epoch's end")
+        self.learn.dl = _fast_forward(self.dl, rs.start_iter, kind, start, saved.get('position'))
+        rs.first_iter,rs.start_iter = rs.start_iter,0
 
     def after_train(self): self.learn.resume.first_iter = 0  # validation numbers its batches from 0
+
