@@ -425,7 +425,7 @@ def _shard_setup(self:DDPTrainer, dl, ws:int)->dict:
 def _own_part(self:RankGate, rp, sd:dict):
     "`rp` inside an epoch as this rank continues it: its own position in a stream, its own streams at the epoch's start"
     if not (self.active and rp['iter']): return rp
-    mine,er = _rank_streams(sd, self.rank),rp['epoch_rng']
+    mine,er = _rank_streams(sd, self.rank),rp.get('epoch_rng')
     if er is not None and mine.get('epoch_rng') is not None: er = dict(er, rng=mine['epoch_rng'])
     elif er is not None and mine.get('epoch_torch') is not None: er = dict(er, torch=mine['epoch_torch'])  # 0.1.0's
     return rp.replace(epoch_rng=er, **({} if mine.get('loader') is None else dict(loader=mine['loader'])))

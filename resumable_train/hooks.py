@@ -123,7 +123,7 @@ class ResumeState:
         self.plan = None  # the running fit call's `fit_plan`, worked out once (`fit_plan_once`)
         # the resume point the running fit call continues (`pending`, taken); the random streams its epoch started with
         self.point,self.epoch_rng = None,None
-        self.rest = None  # an elastic resume's plan for the rest of the epoch it starts inside (`DDPTrainer.plan_resume`)
+        self.rest = None  # an elastic resume's plan for the rest of the epoch it starts in (`DDPTrainer.plan_resume`)
     # `learn.export`: a Learner loaded with `load_learner` starts with no resume state
     def __getstate__(self): return {}
     def __setstate__(self, d): self.__init__()
@@ -142,7 +142,8 @@ class ResumeState:
     def begin(self, schedule:str): self.fitting,self.schedule,self.event = True,schedule,None
     def end(self):
         "The fit call ended, whatever the way"
-        self.fitting,self.skipping,self.start_epoch,self.start_iter,self.first_iter,self.rested = False,False,0,0,0,False
+        self.fitting,self.skipping,self.rested = False,False,False
+        self.start_epoch,self.start_iter,self.first_iter = 0,0,0
         self.point,self.epoch_rng,self.rest = None,None,None
     def stage_mark(self)->dict|None:
         "What a stage saved now between fit calls stands for: its run, and how many of the run's fit calls it follows"

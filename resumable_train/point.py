@@ -17,7 +17,8 @@ from .workers import keepable
 from .loaders import check_callbacks, check_resumable, loader_record
 
 # %% auto #0
-__all__ = ['ResumePoint', 'capture', 'restore', 'restore_epoch', 'rest_point', 'restore_rest', 'checkpoint', 'write_point']
+__all__ = ['ResumePoint', 'capture', 'restore', 'restore_epoch', 'restore_end', 'rest_point', 'restore_rest', 'checkpoint',
+           'write_point']
 
 # %% ../nbs/02c_point.ipynb #866a68e2
 def _grad_state(p, zeroed=False): return None if p.grad is None else 0 if zeroed or not p.grad.any() else p.grad
@@ -154,8 +155,8 @@ def restore(learn, point:ResumePoint):
     learn.pct_train,learn.train_iter = rec['pct_train'],rec['train_iter']
 
 def restore_epoch(learn, point:ResumePoint)->dict:
-    ("At the training start of the epoch `point` is inside: the epoch's streams and its DataLoader's state at its start, "
-     "the states and streams at the point, the workers'; returns the random streams the epoch's order is drawn from")
+    ("At the training start of the epoch `point` is inside: the epoch's streams and its training DataLoader's state "
+     "at that start, the states and streams at the point, the workers'; the streams the epoch's order is drawn from")
     rec,rs = point.rec,learn.resume
     learn.pct_train = rec['pct_train']
     rs.epoch_rng = er = rec['epoch_rng']
@@ -172,6 +173,17 @@ def restore_epoch(learn, point:ResumePoint)->dict:
                                   "from an epoch's end")
         ws.resume(saved, rec['iter'])
     return _epoch_start(er, rec['rng'])
+
+def restore_end(learn, point:ResumePoint,
+                rested:bool=False): # a stage loaded from a cache put back the gradients, streams and modes already
+    ("Leave the Learner as the end of the fit call `point` holds left it, beyond weights and optimizer: gradients, "
+     "states, streams, position and the modules' modes (the next fit call starts from them: `AutoResume`)")
+    rec = point.rec
+    if not rested: restore_grads(learn, rec)
+    restore_streams(learn, rec, dls=not rested, fresh=point.fresh, rng=not rested)
+    learn.train_iter,learn.pct_train = rec['train_iter'],rec['pct_train']
+    if rested: return
+    for m,t in zip(learn.model.modules(), rec.get('train_modes', [])): m.training = t
 
 
 # %% ../nbs/02c_point.ipynb #bcac292d
