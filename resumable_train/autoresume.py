@@ -128,7 +128,7 @@ class AutoResume(LeanCallback):
         self.check,self.group = None,False  # `resumable-train check`'s `CheckRun`; a process group to agree with
         self.stop_signals,self.worker_signals,self.runlog = self._new_stop_signals(),None,None
         # what this fit call writes: its store is known once it has looked (`FitStart`)
-        self.points = RunPoints(None, self.fname, self.keep, self.writer, self.background, ends=lambda: self.ends)
+        self.points = RunPoints(None, self.fname, self.keep, self.writer, self.background)
         self.added,self.due,self.start = None,False,None  # `WorkerStreams` added; a write due; `FitStart`
         self.watched,self.stop_note = [],''
 

@@ -296,7 +296,7 @@ class RunPoints:
                  keep:int, # how many complete ones to keep, besides the fit calls' end states
                  writer:Writer, # the run's writer (it outlives a fit call)
                  background:bool=False, # write in the background, from a snapshot (on the device when it has room)
-                 ends=list, # what returns the end states' names when pruning (they are kept)
+                 run=None, # the run (`fitcalls.RunState`) whose fit calls' end states pruning keeps
                 ):
         store_attr()
         self.next_num,self.last,self.snapshot = 1,None,None  # the next number; the newest complete point: (file, where)
@@ -341,7 +341,7 @@ class RunPoints:
 
     def prune(self):
         "Remove the resume points beyond the `keep` newest complete ones, but for the fit calls' end states"
-        es,ends = entries(self.store, self.fname),self.ends()
+        es,ends = entries(self.store, self.fname),(self.run.ends if self.run is not None else [])
         keep = [e.name for e in es if e.complete][:self.keep]
         for e in es:
             if e.name in keep or e.name in ends: continue

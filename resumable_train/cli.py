@@ -4,9 +4,15 @@
 
 # %% ../nbs/05_cli.ipynb #b0837f78
 from __future__ import annotations
-import re
-from .files import CheckpointError, resume_record, checkpoint_number
-from .store import as_store, read_runlog
+import argparse, datetime, hashlib, json, os, re, signal, sys, time, warnings
+import torch
+from pathlib import Path
+from torch import nn
+from . import __version__
+from .files import (read_checkpoint, resume_record, CheckpointError, position_text, history_log_info, unpack,
+                                   checkpoint_number)
+from .store import (as_store, is_url, locate, LocalStore, StoreError, read_runlog, run_story, run_summary, timeline,
+                                   clean_run)
 from .check import check
 
 # %% auto #0
@@ -90,16 +96,6 @@ def plot_run(where, # a folder, an fsspec URL or a store
     fig = _draw(d, title if title is not None else f"{as_store(where).url} (fit call {d['fit']+1})", figsize)
     if out is not None: fig.savefig(out)
     return fig
-
-# %% ../nbs/05_cli.ipynb #664fdeba
-import argparse, datetime, hashlib, json, os, signal, sys, time, warnings
-from pathlib import Path
-import torch
-from torch import nn
-from . import __version__
-from .files import (read_checkpoint, resume_record, CheckpointError, position_text, history_log_info, unpack)
-from .store import (as_store, is_url, locate, LocalStore, StoreError, read_runlog, run_story, run_summary, timeline,
-                                   clean_run)
 
 # %% ../nbs/05_cli.ipynb #268f0f0e
 def digits_learner(path='.', # the folder whose `models/` holds the checkpoints

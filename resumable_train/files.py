@@ -4,8 +4,10 @@
 
 # %% ../nbs/00_files.ipynb #37bc553f
 from __future__ import annotations
-import ctypes, errno, os, secrets, sys
+import ctypes, errno, hashlib, json, math, os, pickle, re, secrets, sys, warnings, zipfile
+import torch, numpy as np
 from pathlib import Path
+from fastcore.foundation import L
 
 # %% auto #0
 __all__ = ['FORMAT_VERSION', 'WriteCancelled', 'check_record', 'start_history', 'append_history', 'adopt_history',
@@ -94,10 +96,6 @@ def write_atomic(file, write, durable:bool=True,
         raise OSError(e.errno, f"Could not write {file}: {e.strerror or e}; {left}") from e
     if durable: fsync(file.parent)
     return file
-
-# %% ../nbs/00_files.ipynb #005d6a67
-import math, re
-import torch
 
 # %% ../nbs/00_files.ipynb #caad0c29
 def checkpoint_number(name:str, fname:str|None=None)->int|None:
@@ -294,11 +292,6 @@ def _fit_ledger(r):
             _fail(f'ends[{j}]', f"is {n!r}, not the name of a resume point")
     _int(r.get('last_epoch'), 'last_epoch', -1, fits[i]['n_epoch'], none_ok=True)  # -1: the end of a `fit(0)`
 
-# %% ../nbs/00_files.ipynb #ec81cd25
-import hashlib, json, math, os
-from pathlib import Path
-import numpy as np, torch
-
 # %% ../nbs/00_files.ipynb #b8f6e4e0
 def unpack(o):
     "The list a packed history (`{'stack': t}`, `{'float64': t}`) holds; a list kept as it is"
@@ -459,12 +452,6 @@ def history_log_info(file)->dict:
     kinds = _header(line[:-1])
     n,rest = divmod(size - len(head) - len(line), sum(dt.itemsize*math.prod(shape) for _,_,dt,shape in kinds))
     return dict(columns=[k for k,*_ in kinds], rows=n, partial_bytes=rest)
-
-# %% ../nbs/00_files.ipynb #a214dd43
-import os, pickle, re, warnings, zipfile
-from pathlib import Path
-import numpy as np, torch
-from fastcore.foundation import L
 
 # %% ../nbs/00_files.ipynb #78e8d2b8
 # 2: every stream at the epoch's start, PyTorch generators, DataLoader and module states, fit plans, the ledger

@@ -4,13 +4,14 @@
 
 # %% ../nbs/02_fitcalls.ipynb #ef3f3fc1
 from __future__ import annotations
-import hashlib, inspect, warnings
-from functools import partial
+import hashlib, inspect, itertools, os, re, sys, warnings
 import numpy as np, torch
+from functools import partial
 from torch import nn
 from fastai.torch_core import num_distrib, get_model
 from .files import *
 from .state import *
+from pathlib import Path
 from .hooks import is_a
 
 # %% auto #0
@@ -188,12 +189,6 @@ def check_plan(saved, now, file, strict=False, # refuse (or warn)
     msg = f"{who} was asked for other hyperparameters than {file} was written with ({'; '.join(ch)})"
     if strict: raise CheckpointError(f"{msg}. To continue it, undo the change; to start fresh, {fresh}")
     warnings.warn(f"{msg}; {then} (strict_hypers=True refuses)", stacklevel=user_stacklevel())
-
-# %% ../nbs/02_fitcalls.ipynb #4c53dce1
-import hashlib, itertools, os, re, sys
-from pathlib import Path
-import torch
-from .state import *
 
 # %% ../nbs/02_fitcalls.ipynb #b9e795bd
 # terminal IPython numbers each run of a cell

@@ -60,7 +60,7 @@ class FitStart:
     "Where one fit call of an `AutoResume` run starts: decided from the run's files, checked, the Learner loaded for it"
     def __init__(self, learn, store, # the run's folder or bucket
                  run:RunState, # the run as this process keeps it (`run_state`): its fit calls, setups and ends
-                 points:RunPoints, # the run's writes: told the newest resume point and the next file number
+                 points:RunPoints, # the run's writes: told their store, their run, the newest point and the next number
                  fname:str, # the run's name in `store`
                  wait:float=0, # seconds to wait for another process training this run
                  elastic:bool=False, # continue a resume point of another number of processes
@@ -69,7 +69,7 @@ class FitStart:
                  say=print, # says where the fit call starts (`AutoResume` on rank 0, when verbose)
                 ):
         store_attr()
-        self.points.store = store
+        self.points.store,self.points.run = store,run
         # the rank whose node holds the newest resume point; a finished call's end state (file, checkpoint), its epoch
         self.src,self.end_state,self.last_epoch = 0,None,None
     @property

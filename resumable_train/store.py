@@ -4,11 +4,11 @@
 
 # %% ../nbs/00a_store.ipynb #caee524e
 from __future__ import annotations
-import errno, hashlib, json, tempfile, time
+import atexit, errno, fcntl, hashlib, inspect, json, mmap, os, re, socket, struct, tempfile, threading, time, warnings
+import fsspec
 from collections import namedtuple
 from datetime import datetime
 from pathlib import Path, PurePosixPath
-import fsspec
 from fastcore.basics import patch
 from fastcore.foundation import L
 from .files import write_checkpoint, read_checkpoint, CheckpointError, WriteCancelled, position_text
@@ -233,12 +233,6 @@ def locate(file, **kwargs)->tuple:
     p = Path(f.removeprefix('file://'))
     return LocalStore(p.parent),p.name
 
-# %% ../nbs/00a_store.ipynb #0c1a0003
-import atexit, errno, fcntl, inspect, json, os, re, socket, struct, threading, time, warnings
-from pathlib import Path
-from fastcore.basics import patch
-from fastcore.foundation import L
-
 # %% ../nbs/00a_store.ipynb #fdabf0ba
 # the lock of each run this process holds: a local lock file's descriptor, or a remote `_Lease`, by lock path
 _held = {}
@@ -404,10 +398,6 @@ def unlock(self:FsspecStore, fname:str):
     "Let other machines train run `fname` again (for tests: a process holds its runs until it ends)"
     lease = _held.pop(self._key(f'.{fname}.lock'), None)
     if lease is not None: lease.release()
-
-# %% ../nbs/00a_store.ipynb #081c089e
-import json, mmap, os, socket, struct, time, warnings
-from pathlib import Path
 
 # %% ../nbs/00a_store.ipynb #addee064
 def runlog_name(fname:str)->str: return f'{fname}.runlog'  # the run log of `AutoResume(fname)`
