@@ -79,7 +79,7 @@ def _refuse_fastai(changed:list):
 check_fastai()
 
 # the versions the internals of other libraries that `internal` reaches were tested with
-_TESTED = dict(torch='2.14', datasets='5.2')
+_TESTED = dict(torch='2.14', datasets='5.2', fastai=_TESTED_FASTAI)
 
 def internal(owner, name:str, library:str):
     ("`owner.name`, an internal of `library` the package relies on; an `ImportError` naming the library's version "

@@ -72,7 +72,7 @@ def log_owner(hs:dict, names)->tuple:
     return tuple(getattr(hs.get(tuple(n.split('/'))), 'gen', None) for n in names)
 
 # %% ../nbs/02c_point.ipynb #e3ec9c69
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # a point is itself: its tensors have no `==` that gives one answer
 class ResumePoint:
     "One resume point: its record, and, once read for a fit call, the file it came from and how to continue it"
     rec:dict # the record (plain values) as `capture` made it: never changed in place (`replace` makes a new point)

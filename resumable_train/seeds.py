@@ -14,7 +14,7 @@ from fastcore.basics import GetAttr
 from fastai.data.load import DataLoader
 from fastai.callback.core import Callback
 from .state import *
-from .hooks import ResumeState, LeanCallback
+from .hooks import ResumeState, LeanCallback, internal
 
 # %% ../nbs/02e_seeds.ipynb #fa1344f9
 @contextmanager
@@ -38,7 +38,8 @@ def _batch_seed(epoch_seed, i:int|list):
 def _seeded_batches(dl, resume, samps):
     "Like `DataLoader.create_batches`, with each batch's items made under a seed of (epoch order, batch index)"
     if dl.dataset is not None: dl.it = iter(dl.dataset)
-    idxs,bs,first,nw,offs = list(dl._DataLoader__idxs),dl.bs or 1,resume.first_iter,dl.num_workers,dl.offs
+    idxs = list(internal(dl, '_DataLoader__idxs', 'fastai'))  # the order `DataLoader.__iter__` drew for this epoch
+    bs,first,nw,offs = dl.bs or 1,resume.first_iter,dl.num_workers,dl.offs
     do_item,do_batch,prebatched,drop_last,seed = dl.do_item,dl.do_batch,dl.prebatched,dl.drop_last,dl._epoch_seed
     for i in range(offs, -(-len(idxs)//bs), nw):
         with seeded(_batch_seed(seed, first+i)):
