@@ -124,6 +124,7 @@ class ResumeState:
         # the resume point the running fit call continues (`pending`, taken); the random streams its epoch started with
         self.point,self.epoch_rng = None,None
         self.rest = None  # an elastic resume's plan for the rest of the epoch it starts in (`DDPTrainer.plan_resume`)
+        self.loads = 0  # calls of the package's `Learner.load` on this Learner: `load_through` checks a subclass's reach it
     # `learn.export`: a Learner loaded with `load_learner` starts with no resume state
     def __getstate__(self): return {}
     def __setstate__(self, d): self.__init__()

@@ -128,7 +128,6 @@ def plan_resume(learn, rp:ResumePoint|None, elastic:bool)->ResumePoint|None:
     if rp is not None and not cbs: rp = _check_world(learn, rp, rp.file, elastic)
     return rp
 
-_loads = 0  # calls of the package's `Learner.load`: `_load_through` checks that a subclass's `load` reaches it
 
 def _model_state(learn, sd:dict)->dict:
     "The weights `sd` to load into `learn`: a text learner's without weight-dropout copies, as in `load_model_text`"
@@ -163,9 +162,8 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
          **kwargs # `torch.load`'s `weights_only` and `mmap`, which change nothing: always `weights_only=True`
         ):
     "Load model and optimizer state from `learn.path/learn.model_dir/file`; the next `fit` continues a resume point"
-    global _loads
     _check_load_kwargs(kwargs)
-    _loads += 1
+    self.resume.loads += 1  # on the Learner, not in this module: the docs build and `nbdev-test` run these cells again
     if device is None and hasattr(self.dls, 'device'): device = self.dls.device
     if isinstance(device, int): device = torch.device('cuda', device)
     if self.opt is None: self.create_opt()
@@ -253,12 +251,12 @@ def bypassed(learn, name):
 
 def load_through(learn, file, **kwargs):
     "`learn.load(file, **kwargs)`, refusing a subclass's `load` that does not reach the package's `Learner.load`"
-    before = _loads
+    before = learn.resume.loads
     try: learn.load(file, **kwargs)
     except Exception as e:
-        if _loads == before: raise bypassed(learn, 'load') from e
+        if learn.resume.loads == before: raise bypassed(learn, 'load') from e
         raise
-    if _loads == before: raise bypassed(learn, 'load')
+    if learn.resume.loads == before: raise bypassed(learn, 'load')
     return learn
 
 # %% ../nbs/02f_learner.ipynb #fa5t0003

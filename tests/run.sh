@@ -54,9 +54,13 @@ for f in tests/test_*.py; do [[ " ${files[*]} " = *" $f "* ]] || files+=("$f"); 
 block 1 "every test file, over 3 processes" -n 3 --dist loadfile --no-loadscope-reorder "${files[@]}" & pytest_pid=$!
 # The docs: what nbdev-proc-nbs does (the sidebar, each notebook processed for Quarto, show_doc run on every export), without its step
 # that downloads Quarto and installs it with sudo where it is missing (the suite installs nothing; if nbdev renames that step, this fails
-# with a KeyError instead of installing). Rendering the pages (nbdev-docs) needs Quarto and is not part of the suite.
+# with a KeyError instead of installing). Rendering the pages (nbdev-docs) needs Quarto and is not part of the suite. Every notebook is
+# processed (`force`: not only those changed since the cache in nbs/_proc), one after the other in one worker: the cells each runs (its
+# imports and exports) run after every notebook before it, in the same process, as they may in nbdev's workers (tests/test_docs.py checks
+# that those cells run no examples).
 echo "== docs build (nbdev-proc-nbs without installing Quarto; the pages are rendered by nbdev-docs, not here)"
-proc_nbs='import nbdev.quarto as q; vars(q)["_ensure_quarto"]; q._ensure_quarto = lambda: None; q.nbdev_proc_nbs.__wrapped__()'
+proc_nbs='import nbdev.quarto as q; vars(q)["_ensure_quarto"]; q._ensure_quarto = lambda: None
+q.nbdev_proc_nbs.__wrapped__(n_workers=1, force=True)'
 python -c "$proc_nbs" >"$logs/proc.log" 2>&1 || { cat "$logs/proc.log"; echo "FAIL: nbdev-proc-nbs: the docs do not build"; exit 1; }
 echo "== notebooks: tests, and outputs current"
 nb_rc=0; python tests/notebooks.py || nb_rc=$?

@@ -116,11 +116,12 @@ def test_links():
         assert not re.search(r'github\.com/resumable-train|resumable-train\.github\.io', text), "a link to a repository or site that does not exist"
 
 def _quick_start()->tuple:
-    "The README's Quick start: its code, and the digests it says the script ends with (uninterrupted, and killed and run again)"
+    """The README's Quick start: its code (its blocks, one after the other), and the digests it says the script ends with (uninterrupted,
+    and killed and run again)"""
     text = (ROOT/'README.md').read_text()
     part = text[text.index('\n## Quick start\n'):]
     part = part[:part.index('\n## ', 1)]
-    return re.search(r'```python\n(.*?)```', part, re.S).group(1),re.findall(r'\nweights ([0-9a-f]{12})\n', part)
+    return ''.join(re.findall(r'```python\n(.*?)```', part, re.S)),re.findall(r'\nweights ([0-9a-f]{12})\n', part)
 
 # The README's code without the package: its import, `AutoResume` and `weights_digest` (the same sha256, written out here)
 _STOCK = [("from resumable_train.all import *\n", ""), (", cbs=AutoResume(every_iter=20)", ""),
@@ -160,3 +161,22 @@ def test_quick_start(tmp_path):
     assert src == 0, (sout[-2000:], serr[-2000:])
     want = re.findall(r'weights ([0-9a-f]{12})', sout)
     assert len(want) == 1 and re.findall(r'weights ([0-9a-f]{12})', out) == want, (want, out[-2000:])
+
+# The docs build (nbdev-proc-nbs, and so nbdev-docs and nbdev-preview) runs, in a few worker processes that each take notebook after
+# notebook, the cells nbdev's `_do_eval` picks: the exported ones, those that show docs, and every cell with an import in it. Exported cells
+# patch fastai's `Learner` again from the notebook's own namespace, so an example run there after another notebook's exports runs against
+# patches that are not the package's, and fails or not by which worker took which notebook. So a cell with an import holds imports and
+# definitions only, as nbdev's FAQ asks: its examples are in a cell of their own, which the docs build does not run.
+def test_docs_build_runs_no_examples():
+    "Every cell the docs build runs, other than exported and show_doc cells, only imports or defines"
+    from nbdev.process import NBProcessor
+    from nbdev.processors import _do_eval
+    runs = []
+    for nb in sorted((ROOT/'nbs').glob('*.ipynb')):
+        def check(cell, nb=nb):
+            if not _do_eval(cell) or cell.directives_.keys() & {'export', 'exports', 'exporti', 'exec_doc'}: return
+            if 'show_doc' in cell.source: return
+            body = [t for t in cell.parsed_() if not isinstance(t, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))]
+            if body: runs.append(f"{nb.name}, cell {cell.idx_}: {ast.unparse(body[0]).splitlines()[0]}")
+        NBProcessor(nb, procs=[check]).process()
+    assert not runs, "the docs build would run these examples (move the cell's imports into a cell of their own):\n" + '\n'.join(runs)
