@@ -364,7 +364,8 @@ def _own_part(self:RankGate, rp, sd:dict):
     mine,er = _rank_streams(sd, self.rank),rp.get('epoch_rng')
     if er is not None and mine.get('epoch_rng') is not None: er = dict(er, rng=mine['epoch_rng'])
     elif er is not None and mine.get('epoch_torch') is not None: er = dict(er, torch=mine['epoch_torch'])  # 0.1.0's
-    return rp.replace(epoch_rng=er, **({} if mine.get('loader') is None else dict(loader=mine['loader'])))
+    if mine.get('loader') is None: return rp.replace(epoch_rng=er)
+    return rp.replace(epoch_rng=er, loaders=[dict(rp.loader, **mine['loader']), *rp['loaders'][1:]])
 
 @patch
 def plan_resume(self:RankGate, rp:ResumePoint|None, # the resume point `learn.load` leaves for the next `fit`, or `None`

@@ -209,8 +209,17 @@ def _position(r):
     if it:
         er = _of(r.get('epoch_rng'), 'epoch_rng', dict)
         _tensor(er.get('torch'), 'epoch_rng.torch', torch.uint8)
-        if er.get('dl') is not None: _dl_rng(er['dl'], 'epoch_rng.dl')
+        if er.get('dl') is not None: _dl_rng(er['dl'], 'epoch_rng.dl')  # format 3's
         if er.get('rng') is not None: _rng(er['rng'], 'epoch_rng.rng')
+
+def _loaders(r):
+    "Check the DataLoaders' states (`LoaderState`): each one's stream, and the training one's at the epoch's start"
+    for i,s in enumerate(_of(r.get('dl_rngs', []), 'dl_rngs', list, tuple)):  # format 3's
+        if s is not None: _dl_rng(s, f'dl_rngs[{i}]')
+    for i,l in enumerate(_of(r.get('loaders', []), 'loaders', list, tuple)):
+        for k,sd in (('', l), ('.epoch', _of(l, f'loaders[{i}]', dict).get('epoch'))):
+            if sd is not None and _of(sd, f'loaders[{i}]{k}', dict).get('rng') is not None:
+                _dl_rng(sd['rng'], f'loaders[{i}]{k}.rng')
 
 _NUMERIC_HYPERS = {'lr', 'mom', 'sqr_mom', 'wd', 'eps', 'beta', 'momentum', 'weight_decay'}
 
@@ -267,8 +276,7 @@ def check_record(r:dict,
         for i,h in enumerate(hs):
             for k,v in _of(h, f'hypers[{i}]', dict).items(): _hyper(v, f'hypers[{i}].{k}', k in _NUMERIC_HYPERS)
     if 'rng' in r: _rng(r['rng'])
-    for i,s in enumerate(_of(r.get('dl_rngs', []), 'dl_rngs', list, tuple)):
-        if s is not None: _dl_rng(s, f'dl_rngs[{i}]')
+    _loaders(r)
     # each callback checks its own state
     for k in _of(r.get('callbacks', {}), 'callbacks', dict): _of(k, f'callbacks key {k!r}', str)
     _history(r)
@@ -456,7 +464,8 @@ def history_log_info(file)->dict:
 # %% ../nbs/00_files.ipynb #78e8d2b8
 # 2: every stream at the epoch's start, PyTorch generators, DataLoader and module states, fit plans, the ledger
 # 3: history logs
-FORMAT_VERSION = 3
+# 4: one state per DataLoader (`loaders`; format 3 kept `dl_rngs`, `dl_states` and the training one's apart)
+FORMAT_VERSION = 4
 
 def make_checkpoint(model_sd:dict, opt_sd:dict,
                     resume:dict): # a resume point, or a record of a finished run

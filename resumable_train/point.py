@@ -35,11 +35,6 @@ def restore_grads(learn, rec):
     for p,g in zip(learn.model.parameters(), rec.get('grads', [])): set_grad(p, g)
 
 # %% ../nbs/02c_point.ipynb #6f4f3e26
-def restore_dls(learn, rec):
-    "Put each DataLoader's `rng` and registered state back as `rec` holds them"
-    for dl,s in zip(learn.dls.loaders, rec['dl_rngs']): set_dl_rng_state(dl, s)
-    load_dl_states(learn, rec.get('dl_states', []))
-
 def _make_lazy_state(learn):
     "Make now what fastai makes, drawing random numbers, at a process's first batch (`dls.n_inp` may load an item)"
     getattr(learn.dls, 'n_inp', None)
@@ -54,13 +49,12 @@ def restore_streams(learn, rec, dls=True,
     # the next saves append to the log it was read from
     if ref: adopt_history(ref, lambda names: log_owner(logged_histories(learn), names))
     load_module_states(learn.model, rec.get('modules', {}))
-    if dls: restore_dls(learn, rec)
+    if dls: load_loader_states(learn, rec['loaders'])
     if rng: set_rng_state(rec['rng'])
 
 def epoch_streams(learn)->dict:
-    "What decides an epoch's order: the random streams at its start, and the training DataLoader's `rng` and state"
-    return dict(torch=torch.get_rng_state(), dl=dl_rng_state(learn.dls.train), rng=rng_state(),
-                dl_state=state_of(learn.dls.train, own=False))
+    "What decides an epoch's order: the random streams at its start, and the training DataLoader's state (`LoaderState`)"
+    return dict(torch=torch.get_rng_state(), rng=rng_state(), loader=LoaderState(learn.dls.train).state_dict())
 
 def fit_position(learn):
     ev = learn.resume.event
@@ -85,11 +79,30 @@ class ResumePoint:
     def to_record(self)->dict: return self.rec
     @classmethod
     def from_record(cls, rec:dict, file=None, **kwargs)->ResumePoint:
-        "The resume point `rec` as read from `file`"
-        return cls(rec, None if file is None else str(file), **kwargs)
+        "The resume point `rec` as read from `file` (a record of format 3 or older as this format holds it)"
+        return cls(_upgrade(rec), None if file is None else str(file), **kwargs)
+    @property
+    def loader(self)->dict:
+        ("The training DataLoader's state (`LoaderState`); inside an epoch, with its state at the epoch's start "
+         "(`epoch`), how it resumes and where it is (`kind`, `position`), and its workers' streams (`workers`)")
+        return self.rec['loaders'][0]
     def replace(self, **rec)->ResumePoint:
         "A new point whose record has the values `rec` in place of its own (planning on another number of processes)"
         return dataclasses.replace(self, rec={**self.rec, **rec})
+
+def _upgrade(rec:dict)->dict:
+    ("`rec` as format 4 holds it: formats up to 3 kept the DataLoaders' streams and states in lists of their own "
+     "(`dl_rngs`, `dl_states`), and the training one's at the epoch's start, position and workers' streams apart")
+    if 'dl_rngs' not in rec: return rec
+    sts = rec.get('dl_states') or []
+    new = {k:v for k,v in rec.items() if k not in ('dl_rngs', 'dl_states', 'loader', 'workers')}
+    new['loaders'] = ls = [dict(rng=r, state=sts[i] if i < len(sts) else None) for i,r in enumerate(rec['dl_rngs'])]
+    er = rec.get('epoch_rng')
+    if rec.get('iter') and er is not None and ls:
+        ls[0] = dict(ls[0], epoch=dict(rng=er.get('dl'), state=er.get('dl_state')), **(rec.get('loader') or {}),
+                     workers=rec.get('workers'))
+        new['epoch_rng'] = {k:v for k,v in er.items() if k in ('torch', 'rng')}
+    return new
 
 
 # %% ../nbs/02c_point.ipynb #64d489f0
@@ -122,14 +135,16 @@ def capture(learn)->ResumePoint|None:
     epoch,it = pos or (None,0)
     check_resumable(learn.dls.train)
     check_callbacks(learn)
-    loader = loader_record(learn.dls.train) if it else None  # refuses a resume point that no run could continue
+    loaders = loader_states(learn)
+    er = learn.resume.epoch_rng if it else None  # `epoch_streams` at the epoch's start
+    if it:  # how the training DataLoader resumes, and where it is: refuses a point that no run could continue
+        loaders[0] = dict(loaders[0], epoch=None if er is None else er['loader'], **loader_record(learn.dls.train),
+                          workers=_worker_streams(learn))
     return ResumePoint(dict(
         to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train,
                       hypers=learn.opt.hypers, setup=run_setup(learn, learn.n_epoch), meta=_meta())),
-        rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders],  # plain already:
-        dl_states=dl_states(learn), modules=module_states(learn.model),
-        epoch_rng=learn.resume.epoch_rng if it else None, loader=loader, callbacks=callback_states(learn),
-        workers=_worker_streams(learn) if it else None,
+        rng=rng_state(), loaders=loaders, modules=module_states(learn.model),  # plain already:
+        epoch_rng=None if er is None else {k:v for k,v in er.items() if k != 'loader'}, callbacks=callback_states(learn),
         metric_names=_value_names(learn), plan=fit_plan_once(learn),
         grads=_grad_states(learn)))  # walked once more, these would cost more than the rest of the snapshot
 
@@ -151,7 +166,7 @@ def restore(learn, point:ResumePoint):
     for k in rec['hypers'][0]: learn.opt.set_hyper(k, [asked.get((g,k), h[k]) for g,h in enumerate(rec['hypers'])])
     restore_grads(learn, rec)
     if not rec['iter']: restore_streams(learn, rec, fresh=point.fresh)
-    else: restore_dls(learn, rec)
+    else: load_loader_states(learn, rec['loaders'])
     learn.pct_train,learn.train_iter = rec['pct_train'],rec['train_iter']
 
 def restore_epoch(learn, point:ResumePoint)->dict:
@@ -159,13 +174,13 @@ def restore_epoch(learn, point:ResumePoint)->dict:
      "at that start, the states and streams at the point, the workers'; the streams the epoch's order is drawn from")
     rec,rs = point.rec,learn.resume
     learn.pct_train = rec['pct_train']
-    rs.epoch_rng = er = rec['epoch_rng']
-    set_dl_rng_state(learn.dls.train, er['dl'])
-    restore_state(learn.dls.train, er.get('dl_state'))
+    er,start = rec['epoch_rng'],point.loader['epoch']
+    rs.epoch_rng = dict(er, loader=start)  # as `epoch_streams` took them: the next points in this epoch keep them
+    LoaderState(learn.dls.train).load_state_dict(start)
     restore_streams(learn, rec, dls=False, fresh=point.fresh)
     ws = getattr(learn, 'worker_streams', None)
     if ws is not None and ws.workers is not None:  # the workers start from the streams the point keeps
-        saved = rec.get('workers')
+        saved = point.loader.get('workers')
         if saved is None or len(saved) != ws.workers.n:
             raise CheckpointError(f"{point.file} holds no random streams of the training DataLoader's {ws.workers.n} "
                                   "workers (a resume point of resumable_train 0.4, which seeded each batch instead): "
@@ -197,7 +212,7 @@ def _plain_default(v)->bool:
 def rest_point(learn)->dict:
     ("Between two fit calls, what the next one starts from beyond weights and optimizer: streams, gradients, modes, "
      "what trains")
-    return dict(rng=rng_state(), dl_rngs=[dl_rng_state(dl) for dl in learn.dls.loaders], grads=_grad_states(learn),
+    return dict(rng=rng_state(), loaders=loader_states(learn), grads=_grad_states(learn),
                 train_modes=[m.training for m in learn.model.modules()],
                 trainable=[p.requires_grad for p in learn.model.parameters()],
                 frozen_idx=getattr(learn.opt, 'frozen_idx', None),
@@ -209,7 +224,8 @@ def restore_rest(learn, rest:dict):
     "Put back a `rest_point`: a stage loaded from a cache goes on as the run that saved it went on"
     # its draws happened before the rest point was saved: they must not shift the restored streams
     _make_lazy_state(learn)
-    for dl,s in zip(learn.dls.loaders, rest['dl_rngs']): set_dl_rng_state(dl, s)
+    # a rest point of format 3 or older kept the DataLoaders' streams only
+    load_loader_states(learn, rest['loaders'] if 'loaders' in rest else [dict(rng=s) for s in rest['dl_rngs']])
     restore_grads(learn, rest)
     for m,t in zip(learn.model.modules(), rest['train_modes']): m.training = t
     if 'trainable' in rest:  # what `freeze`/`unfreeze` left (the rest points of 0.2 keep none)

@@ -128,7 +128,7 @@ class SkipToIter(LeanCallback):
             self.learn.pct_train = fastai_pct(self.pct_train, rs.start_iter, len(self.dl), self.n_epoch)
             rs.epoch_rng,start,saved = epoch_streams(self.learn),None,{}
         else:
-            start,saved = restore_epoch(self.learn, point),point.get('loader') or {}
+            start,saved = restore_epoch(self.learn, point),point.loader
             if saved.get('kind', kind) != kind:
                 raise CheckpointError(
                     f"{point.file} was written with a training DataLoader that resumes inside an epoch by "

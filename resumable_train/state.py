@@ -15,8 +15,8 @@ from .files import unpack
 # %% auto #0
 __all__ = ['to_plain', 'rng_state', 'set_rng_state', 'raw_streams', 'plain_streams', 'dl_rng_state', 'set_dl_rng_state',
            'patch_attrs', 'unpatch_attrs', 'register_state', 'has_state', 'state_of', 'restore_state', 'History',
-           'callback_keys', 'callback_states', 'load_callback_states', 'dl_states', 'load_dl_states', 'module_states',
-           'load_module_states']
+           'callback_keys', 'callback_states', 'load_callback_states', 'LoaderState', 'loader_states',
+           'load_loader_states', 'module_states', 'load_module_states']
 
 # %% ../nbs/01_state.ipynb #45ebe4e0
 def to_plain(o, copy:bool=False): # copy tensors to host memory, detached from training
@@ -419,15 +419,23 @@ def _set_rnn_hidden(m, sd): m.bs,m.hidden = sd['bs'],_to(sd['hidden'], next(m.pa
 register_state('fastai.text.models.awdlstm.AWD_LSTM', _rnn_hidden, _set_rnn_hidden)
 
 # %% ../nbs/01_state.ipynb #4cb168c6
-def dl_states(learn)->list:
-    "The registered state of each of `learn`'s DataLoaders, or `None` (their own `state_dict`: see `loaders`)"
-    return [state_of(dl, own=False) for dl in learn.dls.loaders]
+class LoaderState:
+    "One DataLoader's state in a resume point, taken and given back whole: its own random stream and its registered state"
+    def __init__(self, dl): self.dl = dl
+    def state_dict(self)->dict: return dict(rng=dl_rng_state(self.dl), state=state_of(self.dl, own=False))
+    def load_state_dict(self, sd:dict):
+        "Put back what `state_dict` gave"
+        set_dl_rng_state(self.dl, sd['rng'])
+        # a loader's own `state_dict` (which resume points of 0.2.0 kept as its state) is its position: see `loaders`
+        if has_state(self.dl, own=False): restore_state(self.dl, sd.get('state'), own=False)
 
-def load_dl_states(learn, sds:list):
-    "Give `learn`'s DataLoaders the states `dl_states` gave"
-    for dl,sd in zip(learn.dls.loaders, sds):
-        # a loader's own `state_dict` (which resume points of 0.2.0 kept here) is its position: see `loaders`
-        if has_state(dl, own=False): restore_state(dl, sd, own=False)
+def loader_states(learn)->list:
+    "The state of each of `learn`'s DataLoaders (`LoaderState`), the training one first"
+    return [LoaderState(dl).state_dict() for dl in learn.dls.loaders]
+
+def load_loader_states(learn, sds:list):
+    "Give each of `learn`'s DataLoaders its state from `sds` (`loader_states`)"
+    for dl,sd in zip(learn.dls.loaders, sds): LoaderState(dl).load_state_dict(sd)
 
 def module_states(model)->dict:
     "The registered state of each module of `model` that keeps one (a recurrent model's hidden state), by module name"

@@ -13,21 +13,29 @@ TASKS = ('lm', 'ulmfit', 'fine_tune')
 def forker(): return Forker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.text.all', 'resumable_train'))
 
 @pytest.fixture(scope='module')
-def refs(forker, tmp_path_factory):
+def stock():
+    "Runs of the script in processes that never import the package"
+    s = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.text.all', 'killrerun'))
+    yield s
+    s.close()
+
+def stock_run(stock, folder, out, *args):
+    "The script run by stock fastai in `folder`, to `out`"
+    folder.mkdir()
+    rc,text = stock.run(SCRIPT, out, *args, '--no-resume', timeout=120, cwd=folder)
+    assert rc == 0, f"{args}: stock fastai exited {rc}:\n{text[-3000:]}"
+
+@pytest.fixture(scope='module')
+def refs(forker, stock, tmp_path_factory):
     """Each task run uninterrupted, with `AutoResume` and as stock fastai in a process that never imports the package (the same bits):
     its batches and its result"""
     d,res = tmp_path_factory.mktemp('ref'),{}
-    stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.text.all', 'killrerun'))
-    try:
-        for task in TASKS:
-            lines = run_to_end(forker, SCRIPT, [d/f'{task}.pth', '--task', task], cwd=d/task if (d/task).mkdir() is None else None)
-            (d/f'{task}-stock').mkdir()
-            rc,out = stock.run(SCRIPT, d/f'{task}-plain.pth', '--task', task, '--no-resume', timeout=120, cwd=d/f'{task}-stock')
-            assert rc == 0, f"{task}: stock fastai exited {rc}:\n{out[-3000:]}"
-            diffs = compare(d/f'{task}-plain.pth', d/f'{task}.pth')
-            assert not diffs, f"{task}: AutoResume changed the uninterrupted run: {diffs[:5]}"
-            res[task] = batches(lines),d/f'{task}.pth'
-    finally: stock.close()
+    for task in TASKS:
+        lines = run_to_end(forker, SCRIPT, [d/f'{task}.pth', '--task', task], cwd=d/task if (d/task).mkdir() is None else None)
+        stock_run(stock, d/f'{task}-stock', d/f'{task}-plain.pth', '--task', task)
+        diffs = compare(d/f'{task}-plain.pth', d/f'{task}.pth')
+        assert not diffs, f"{task}: AutoResume changed the uninterrupted run: {diffs[:5]}"
+        res[task] = batches(lines),d/f'{task}.pth'
     return res
 
 def _epoch_end(ref, b): return b == ref[-1] or ref[ref.index(b)+1][:2] != b[:2]
@@ -68,3 +76,19 @@ def test_kill_between_calls(forker, tmp_path, task):
         trained,snaps = kill_and_rerun(forker, SCRIPT, args, tmp_path/f'run{f}', out, [kill])
         assert trained[0][-1] == trained[1][0] == (f, 0, 0), f"not killed at fit call {f+1}'s first batch: {trained[:2]}"
         check_kill_and_rerun(ref, trained, snaps, ref_out, out)
+
+def test_cached_stage(forker, stock, tmp_path):
+    """A language model's fit call cached with `learn.save('stage1')`, killed right after it (the stage and the call's end written, no
+    resume point of the next call): the rerun loads the stage instead of training it, and ends bitwise as the uninterrupted run, which
+    is stock fastai's. The `LMDataLoader`'s document order, which each epoch shuffles further, is part of the stage."""
+    args = ['--task', 'lm', '--cached', '--then']
+    (tmp_path/'ref').mkdir()
+    ref = batches(run_to_end(forker, SCRIPT, [tmp_path/'ref.pth', *args], cwd=tmp_path/'ref'))
+    assert (tmp_path/'ref'/'models'/'stage1.pth').exists()
+    stock_run(stock, tmp_path/'stock', tmp_path/'stock.pth', *args)
+    diffs = compare(tmp_path/'stock.pth', tmp_path/'ref.pth')
+    assert not diffs, f"AutoResume changed the uninterrupted run: {diffs[:5]}"
+    kill = ref.index((1, 0, 0)) + 1  # every_iter=3: no resume point of the second call yet
+    trained,snaps = kill_and_rerun(forker, SCRIPT, args, tmp_path/'run', tmp_path/'out.pth', [kill])
+    assert trained[0][-1] == trained[1][0] == (1, 0, 0), f"not killed at the second call's first batch: {trained[:2]}"
+    check_kill_and_rerun(ref, trained, snaps, tmp_path/'ref.pth', tmp_path/'out.pth')
