@@ -86,7 +86,7 @@ class RankGate:
     ("What a trainer over a process group needs to resume exactly: the gate for events and stops, and every rank's "
      "random streams")
     who = 'DDPTrainer'  # whose process group it is, in the errors
-    rank0_cbs,pending,elastic,fitting,gate_secs = (),None,False,False,0.
+    rank0_cbs,elastic,fitting,gate_secs = (),False,False,0.
     # an elastic resume's plan for the rest of the epoch it starts inside (`plan_resume`): `learn.resume` holds it
     rest = property(lambda self: self.learn.resume.rest, lambda self, v: setattr(self.learn.resume, 'rest', v))
     inside_epoch = True  # a resume on another world size can continue inside an epoch
@@ -178,7 +178,8 @@ def _to_detach(self:DDPTrainer, b, cpu=True, gather=True):
 
 @patch
 def _restore_rank_rng(self:RankGate):
-    if self.pending is not None: set_rng_state(self.pending); self.pending = None
+    rs = self.learn.resume
+    if rs.rank_rng is not None: set_rng_state(rs.rank_rng); rs.rank_rng = None
 
 # %% ../nbs/04_distributed.ipynb #30f3c1d5
 @patch
@@ -270,7 +271,8 @@ def load_state_dict(self:RankGate, sd):
     if sd['world_size'] != self.world_size and not self.elastic:
         raise world_error('The resume point', sd['world_size'], self.world_size)
     if not self.active: return
-    self.pending = _rank_streams(sd, self.rank)['rng']  # this rank's (its position and epoch's streams: `_own_part`)
+    # this rank's streams, after rank 0's (its position and epoch's streams: `_own_part`)
+    self.learn.resume.rank_rng = _rank_streams(sd, self.rank)['rng']
 
 # %% ../nbs/04_distributed.ipynb #e1a57c20
 @patch

@@ -124,7 +124,9 @@ class ResumeState:
         # the resume point the running fit call continues (`pending`, taken); the random streams its epoch started with
         self.point,self.epoch_rng = None,None
         self.rest = None  # an elastic resume's plan for the rest of the epoch it starts in (`DDPTrainer.plan_resume`)
-        self.loads = 0  # calls of the package's `Learner.load` on this Learner: `load_through` checks a subclass's reach it
+        self.loads = 0  # calls of the package's `Learner.load`: `load_through` checks that a subclass's reaches it
+        # this rank's random streams in the point being put back, which rank 0's replace there until the event ends
+        self.rank_rng = None
     # `learn.export`: a Learner loaded with `load_learner` starts with no resume state
     def __getstate__(self): return {}
     def __setstate__(self, d): self.__init__()

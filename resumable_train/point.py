@@ -53,7 +53,7 @@ def restore_streams(learn, rec, dls=True,
     if rng: set_rng_state(rec['rng'])
 
 def epoch_streams(learn)->dict:
-    "What decides an epoch's order: the random streams at its start, and the training DataLoader's state (`LoaderState`)"
+    "What decides an epoch's order: the random streams at its start, and the training DataLoader's state"
     return dict(torch=torch.get_rng_state(), rng=rng_state(), loader=LoaderState(learn.dls.train).state_dict())
 
 def fit_position(learn):
@@ -144,7 +144,8 @@ def capture(learn)->ResumePoint|None:
         to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train,
                       hypers=learn.opt.hypers, setup=run_setup(learn, learn.n_epoch), meta=_meta())),
         rng=rng_state(), loaders=loaders, modules=module_states(learn.model),  # plain already:
-        epoch_rng=None if er is None else {k:v for k,v in er.items() if k != 'loader'}, callbacks=callback_states(learn),
+        epoch_rng=None if er is None else {k:v for k,v in er.items() if k != 'loader'},
+        callbacks=callback_states(learn),
         metric_names=_value_names(learn), plan=fit_plan_once(learn),
         grads=_grad_states(learn)))  # walked once more, these would cost more than the rest of the snapshot
 

@@ -10,7 +10,6 @@ import itertools
 from functools import partial
 import torch
 from fastcore.basics import GetAttr
-from fastai.callback.core import Callback
 from .files import *
 from .state import *
 from .fitcalls import loader_of

@@ -420,7 +420,7 @@ register_state('fastai.text.models.awdlstm.AWD_LSTM', _rnn_hidden, _set_rnn_hidd
 
 # %% ../nbs/01_state.ipynb #4cb168c6
 class LoaderState:
-    "One DataLoader's state in a resume point, taken and given back whole: its own random stream and its registered state"
+    "One DataLoader's state in a resume point, taken and given back whole: its own random stream, its registered state"
     def __init__(self, dl): self.dl = dl
     def state_dict(self)->dict: return dict(rng=dl_rng_state(self.dl), state=state_of(self.dl, own=False))
     def load_state_dict(self, sd:dict):

@@ -7,7 +7,7 @@
 """
 import random, sys
 from pathlib import Path
-import numpy as np, torch
+import numpy as np
 from fastai.basics import *
 from fastai.callback.all import *
 from fastai.test_utils import synth_learner
