@@ -262,6 +262,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                        'resumable_train/distributed.py'),
                                              'resumable_train.distributed.RankGate.plan_resume': ( 'distributed.html#rankgate.plan_resume',
                                                                                                    'resumable_train/distributed.py'),
+                                             'resumable_train.distributed.RankGate.stage_streams': ( 'distributed.html#rankgate.stage_streams',
+                                                                                                     'resumable_train/distributed.py'),
                                              'resumable_train.distributed.RankGate.state_dict': ( 'distributed.html#rankgate.state_dict',
                                                                                                   'resumable_train/distributed.py'),
                                              'resumable_train.distributed._NoBatches': ( 'distributed.html#_nobatches',

@@ -242,6 +242,16 @@ def _epoch_position(self:DDPTrainer)->int|None:
     return offset + min((it-first)*(dl.bs or 1)*self.world_size, dl.n-offset)
 
 @patch
+def stage_streams(self:RankGate)->list|None:
+    ("Between fit calls (a stage `learn.save` keeps): every rank's random streams, on rank 0; `None` on the others, "
+     "and without a process group")
+    if not self.active: return None
+    mine,ranks = to_plain(rng_state(), copy=True),None if self.rank else [None]*self.world_size
+    self._collective(lambda: dist.gather_object(mine, ranks, dst=0),
+                     "gather every rank's random state for the stage `learn.save` keeps (every rank calls it)")
+    return ranks
+
+@patch
 def state_dict(self:RankGate):
     "World size, position in the epoch's sample order, and every rank's random streams (all of them on rank 0)"
     er = self.learn.resume.epoch_rng

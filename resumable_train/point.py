@@ -197,6 +197,8 @@ def restore_end(learn, point:ResumePoint,
     rec = point.rec
     if not rested: restore_grads(learn, rec)
     restore_streams(learn, rec, dls=not rested, fresh=point.fresh, rng=not rested)
+    # the streams are the stage's and its code's since: nor does a trainer put back each rank's from `rec`
+    if rested: learn.resume.rank_rng = None
     learn.train_iter,learn.pct_train = rec['train_iter'],rec['pct_train']
     if rested: return
     for m,t in zip(learn.model.modules(), rec.get('train_modes', [])): m.training = t
@@ -213,7 +215,10 @@ def _plain_default(v)->bool:
 def rest_point(learn)->dict:
     ("Between two fit calls, what the next one starts from beyond weights and optimizer: streams, gradients, modes, "
      "what trains")
-    return dict(rng=rng_state(), loaders=loader_states(learn), grads=_grad_states(learn),
+    gate = next((cb for cb in learn.cbs if callable(getattr(cb, 'stage_streams', None))), None)
+    ranks = None if gate is None else gate.stage_streams()  # every rank's streams, under a trainer (on rank 0)
+    return dict(rng=rng_state(), **({} if ranks is None else dict(ranks=ranks)),
+                loaders=loader_states(learn), grads=_grad_states(learn),
                 train_modes=[m.training for m in learn.model.modules()],
                 trainable=[p.requires_grad for p in learn.model.parameters()],
                 frozen_idx=getattr(learn.opt, 'frozen_idx', None),
@@ -234,7 +239,8 @@ def restore_rest(learn, rest:dict):
         if rest['frozen_idx'] is not None: learn.opt.frozen_idx = rest['frozen_idx']
     # `learn.lr = ...`
     for k,v in rest.get('defaults', {}).items(): setattr(learn, k, tuple(v) if isinstance(v, list) else v)
-    set_rng_state(rest['rng'])
+    ranks,r = rest.get('ranks') or [],rank_distrib()  # under a trainer, this rank's own
+    set_rng_state(ranks[r] if r < len(ranks) and ranks[r] is not None else rest['rng'])
 
 def _record(learn, with_iter, extra=None):
     point = capture(learn) if with_iter else None
@@ -287,7 +293,7 @@ def write_point(learn, store, # the store to write in (`locate`); ignored on ran
                ):
     "Make `learn`'s resume point and write it as `name` in `store`, its per-batch histories in the log `log`"
     if rank_distrib():  # every rank takes part in gathering the states; rank 0 writes
-        capture(learn)
+        _record(learn, True)
         return None
     ck = checkpoint(learn, extra=extra)
     start = _log_history(learn, ck, store, log or f"{name.removesuffix('.pth')}.history")

@@ -162,6 +162,18 @@ def test_fp16_kill_relaunch(forker, tmp_path):
     assert 'AutoResume: continuing from' in res[0][1], why(res)
     assert_same_run(results(ref), results(run))
 
+def test_cached_stage_kill_relaunch(forker, tmp_path):
+    """A first fit call cached as a stage (`learn.save('stage1')`, loaded when found), a draw, then the main fit call, each rank with its
+    own random streams: killed at the main call's first batch (the stage and the first call's end written, no resume point of the main
+    call yet) and relaunched, the ranks load the stage instead of training it and end bitwise as the uninterrupted run"""
+    ref,run = tmp_path/'ref',tmp_path/'run'
+    ranks(forker, ref, '--every', '3', '--cached', '--epochs', '2')
+    res = ranks(forker, run, '--every', '3', '--cached', '--epochs', '2', '--kill-rank', '1', '--kill-at', '1', ok=False)
+    assert res[1][0] == -signal.SIGKILL and res[0][0] != 0, why(res)
+    assert (run/'run'/'models'/'stage1.pth').exists()
+    res = ranks(forker, run, '--every', '3', '--cached', '--epochs', '2')
+    assert_same_run(results(ref), results(run))
+
 def test_hung_rank(forker, tmp_path):
     "A rank that hangs (SIGSTOP) rather than dies: rank 0 fails with a clear error within the process-group timeout"
     secs = 5
