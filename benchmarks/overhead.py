@@ -96,7 +96,7 @@ def _fit_secs(learn, ar, init=None):
 
 def run_secs(quick=False, device=None, reps=None):
     "AutoResume's cost per batch as a user sets it: every_secs=10 and the default, on a loop of at least 20 s, one torch thread"
-    reps,n = reps or (1 if quick else 2),(1500 if quick else 8000)
+    reps,n = reps or (1 if quick else 2),(300 if quick else 8000)  # quick: a smoke run, the table made
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     learn = make_learner(n, bs=64, size='small', device=device)
