@@ -288,6 +288,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                               'resumable_train/distributed.py'),
                                              'resumable_train.distributed._fastai_pct': ( 'distributed.html#_fastai_pct',
                                                                                           'resumable_train/distributed.py'),
+                                             'resumable_train.distributed._gather': ( 'distributed.html#_gather',
+                                                                                      'resumable_train/distributed.py'),
                                              'resumable_train.distributed._group': ( 'distributed.html#_group',
                                                                                      'resumable_train/distributed.py'),
                                              'resumable_train.distributed._leave_group': ( 'distributed.html#_leave_group',

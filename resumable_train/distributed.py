@@ -74,6 +74,12 @@ def _broadcast(o):
     dist.broadcast_object_list(l, src=0, device=group_device())
     return l[0]
 
+def _gather(o)->list|None:
+    "Every rank's `o`, in a list on rank 0; `None` on the others"
+    out = None if dist.get_rank() else [None]*dist.get_world_size()
+    dist.gather_object(o, out, dst=0)
+    return out
+
 class _NoBatches(GetAttr):
     "`dl` without batches: the validation of the ranks that wait for rank 0's"
     _default = 'dl'
@@ -246,10 +252,8 @@ def stage_streams(self:RankGate)->list|None:
     ("Between fit calls (a stage `learn.save` keeps): every rank's random streams, on rank 0; `None` on the others, "
      "and without a process group")
     if not self.active: return None
-    mine,ranks = to_plain(rng_state(), copy=True),None if self.rank else [None]*self.world_size
-    self._collective(lambda: dist.gather_object(mine, ranks, dst=0),
-                     "gather every rank's random state for the stage `learn.save` keeps (every rank calls it)")
-    return ranks
+    return self._collective(lambda: _gather(to_plain(rng_state(), copy=True)),
+                            "gather every rank's random state for the stage `learn.save` keeps (every rank calls it)")
 
 @patch
 def state_dict(self:RankGate):
@@ -259,10 +263,7 @@ def state_dict(self:RankGate):
     # a stream's position: each rank's own
     loader = loader_record(dl) if is_stream(dl) and pos is not None and pos[1] else None
     mine = to_plain(dict(rng=rng_state(), epoch_rng=er['rng'] if er else None, loader=loader), copy=True)
-    ranks = [mine]
-    if self.active:
-        ranks = None if self.rank else [None]*self.world_size
-        self._collective(lambda: dist.gather_object(mine, ranks, dst=0), 'send its random state to rank 0')
+    ranks = self._collective(lambda: _gather(mine), 'send its random state to rank 0') if self.active else [mine]
     dl = self._data()
     return dict(world_size=self.world_size, n=getattr(dl, 'n', None), bs=getattr(dl, 'bs', None),
                 position=self._epoch_position(), rest=self.rest, ranks=ranks)
