@@ -51,6 +51,7 @@ def restore_streams(learn, rec, dls=True,
     load_module_states(learn.model, rec.get('modules', {}))
     if dls: load_loader_states(learn, rec['loaders'])
     if rng: set_rng_state(rec['rng'])
+    else: learn.resume.rank_rng = None  # the streams stay as they are: no trainer puts back this rank's from `rec`
 
 def epoch_streams(learn)->dict:
     "What decides an epoch's order: the random streams at its start, and the training DataLoader's state"
@@ -197,8 +198,6 @@ def restore_end(learn, point:ResumePoint,
     rec = point.rec
     if not rested: restore_grads(learn, rec)
     restore_streams(learn, rec, dls=not rested, fresh=point.fresh, rng=not rested)
-    # the streams are the stage's and its code's since: nor does a trainer put back each rank's from `rec`
-    if rested: learn.resume.rank_rng = None
     learn.train_iter,learn.pct_train = rec['train_iter'],rec['pct_train']
     if rested: return
     for m,t in zip(learn.model.modules(), rec.get('train_modes', [])): m.training = t
