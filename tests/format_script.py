@@ -5,13 +5,12 @@
 - `continue`: load each of the two and train the rest of the run, saving each result to `OUT.mid` and `OUT.end1`;
 - `stock`: train uninterrupted without the package, saving the result to `OUT`.
 """
-import random, sys
+import sys
 from pathlib import Path
-import numpy as np
 from fastai.basics import *
 from fastai.callback.all import *
 from fastai.test_utils import synth_learner
-from killrerun import Report, save_result
+from killrerun import Report, Draws, save_result
 
 mode,d,out = sys.argv[1],Path(sys.argv[2]),sys.argv[3]
 if mode != 'stock': import resumable_train.all  # noqa: F401 (patches Learner)
@@ -23,11 +22,6 @@ class Saves(Callback):
         if self.training and self.epoch == 1 and self.iter == 2: self.learn.save('mid', with_iter=True)
     def after_epoch(self):
         if self.epoch == 0: self.learn.save('end1', with_iter=True)
-
-class Draws(Callback):
-    "Draw from python's and numpy's streams in every training batch, as a callback of a user's might"
-    def after_batch(self):
-        if self.training: random.random(); np.random.rand()
 
 def learner():
     set_seed(0, reproducible=True)

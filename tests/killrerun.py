@@ -6,7 +6,7 @@ A script used with this harness:
 - takes its output file as the first argument, and sleeps `KILLRERUN_SLEEP` seconds per batch when it is set (to leave time for a kill).
 It runs in children forked by `forked.Forker`, so `import fastai` is paid once per test module.
 """
-import hashlib, os, queue, signal, subprocess, sys, threading, time
+import hashlib, os, queue, random, signal, subprocess, sys, threading, time
 from pathlib import Path
 import numpy as np, torch
 from fastai.callback.core import Callback
@@ -22,6 +22,11 @@ class Report(Callback):
         if not self.training: return
         print('BATCH', self.learn.n_fit, self.epoch, self.iter, flush=True)
         if os.environ.get('KILLRERUN_SLEEP'): time.sleep(float(os.environ['KILLRERUN_SLEEP']))
+
+class Draws(Callback):
+    "Draw from python's and numpy's global streams in every training batch, as a callback of a user's might"
+    def after_batch(self):
+        if self.training: random.random(); np.random.rand()
 
 def plain(o):
     "`o` as `torch.load(weights_only=True)` reads it, without the package (a stock run's script imports none of it)"

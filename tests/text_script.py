@@ -3,10 +3,10 @@
 `ulmfit` freezes the classifier before its first fit call; `ulmfit_docs` is the recipe as fastai's docs write it, on a model
 that is not pretrained, which `text_classifier_learner` leaves unfrozen: fit call 1 trains every layer, and `freeze_to(-2)` then
 freezes layers that hold (zeroed) gradients, which fastai's optimizer still steps (weight decay)."""
-import argparse, random
+import argparse
 import numpy as np, pandas as pd, torch
 from fastai.text.all import *
-from killrerun import Report, save_result
+from killrerun import Report, Draws, save_result
 
 p = argparse.ArgumentParser()
 p.add_argument('out')
@@ -24,11 +24,6 @@ def corpus(n=160, seed=0):
     words = [f'w{i}' for i in range(12)]
     docs = [list(rs.choice(words, rs.randint(4, 20))) for _ in range(n)]
     return pd.DataFrame({'text': [' '.join(d) for d in docs], 'label': [int(d[0] in words[:6]) for d in docs]})
-
-class Draws(Callback):
-    "Draw from python's and numpy's global streams in every training batch, as a callback of a user's might"
-    def after_batch(self):
-        if self.training: random.random(); np.random.rand()
 
 torch.set_num_threads(1)
 set_seed(42, reproducible=True)
