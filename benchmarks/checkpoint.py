@@ -4,7 +4,7 @@ from pathlib import Path
 from fastai.callback.core import Callback, CancelFitException
 import fastai.callback.schedule  # noqa: F401 (fit_one_cycle)
 from resumable_train.point import checkpoint
-from resumable_train.point import _log_history as log_history  # the step `write_point` takes after `checkpoint`
+from resumable_train.point import _log_history as log_history  # the step `make_point` takes after the record
 from resumable_train.store import LocalStore
 from resumable_train.files import _compact, resume_record, write_checkpoint
 from resumable_train.files import fsync as _fsync
@@ -23,7 +23,7 @@ def _steps(learn, d):
         nonlocal t
         now = time.perf_counter(); out[k] = out.get(k, 0) + now - t; t = now
     ck = checkpoint(learn); lap('snapshot')
-    start = log_history(learn, ck, LocalStore(d), 'steps.history'); lap('history')
+    start = log_history(learn, resume_record(ck), LocalStore(d), 'steps.history'); lap('history')
     rec = resume_record(ck)
     obj = {**ck, 'opt': {**ck['opt'], 'resume': _compact(rec)}}
     with open(os.devnull, 'wb') as f: torch.save(obj, f)

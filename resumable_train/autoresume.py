@@ -17,7 +17,7 @@ from .files import WriteCancelled
 from .store import *
 from .state import *
 from .state import qualname
-from .point import fit_position
+from .point import fit_position, make_point
 from .seeds import SeedBatches
 from .hooks import hide_probes, hide_progress, LeanCallback
 from .workers import WorkerStreams, keepable
@@ -168,7 +168,6 @@ class AutoResume(LeanCallback):
         print(msg)
 
     def _new_stop_signals(self): return StopSignals(self.signals, self.writer.abandon, self._kept)
-
     def _kept(self)->str: return self.points.kept()  # where a rerun continues from, in words
 
     # ---- deciding, before any other callback's `before_fit`
@@ -202,9 +201,7 @@ class AutoResume(LeanCallback):
             if done: hide_progress(self.learn)
         except BaseException: self._cleanup(); raise
 
-    def current_run(self)->RunState:
-        "The run this `AutoResume` keeps in this process"
-        return run_state(self.store, self.fname)
+    def current_run(self)->RunState: return run_state(self.store, self.fname)  # the run it keeps in this process
 
     # ---- the events
     def before_fit(self):
@@ -313,7 +310,9 @@ class AutoResume(LeanCallback):
         extra = dict(fit_index=self.fit_index, fits=rs.fits, ends=ends, starts=starts,
                      **({'last_epoch': self.epoch, 'train_modes': modes} if end else {}))
         if end: self.ends = ends
-        if not self.points.write(self.learn, name, stopping, log=self.log, extra=extra): return
+        if not self.points.ready(stopping): return
+        ck,start = make_point(self.learn, self.points.store, name, log=self.log, extra=extra)
+        self.points.write(ck, name, start, stopping)
         self.last_save = time.monotonic()  # on every rank: each decides when the next is due (`agree`)
         return name
 

@@ -14,7 +14,6 @@ from .files import *
 from .store import *
 from .collectives import agree, collective, group_device, share_checkpoint
 from .files import checkpoint_number
-from .point import write_point
 
 # %% auto #0
 __all__ = ['list_checkpoints', 'newest_valid']
@@ -311,16 +310,18 @@ class RunPoints:
         if self.last is None: return "a rerun starts the run from the beginning: it has no complete resume point"
         return f"a rerun continues from {self.last[0]} ({self.last[1]})"
 
-    def write(self, learn, name:str, # the file's name in the store (`name()`)
-              stopping:float|None=None, # a signal stops the run: the seconds left to wait for the write in flight
-              **kwargs)->bool: # for `write_point`: `log`, `extra`
-        "Write `learn`'s resume point as `name`; `False` if the write in flight did not end in time"
-        if not rank_distrib() and not self.writer.wait(stopping): return False  # one copy of the state at a time
-        write_point(learn, self.store, name, write=partial(self._hand_over, name, stopping), **kwargs)
-        return True
+    def ready(self, stopping:float|None=None, # a signal stops the run: the seconds left to wait for the write in flight
+             )->bool:
+        "Wait for the write in flight (one copy of the state at a time); `False` if it did not end in time"
+        return bool(rank_distrib()) or self.writer.wait(stopping)
 
-    def _hand_over(self, name, stopping, ck, start):
+    def write(self, ck:dict|None, # the resume point (`make_point`); `None` on ranks other than 0, which write nothing
+              name:str, # the file's name in the store (`name()`)
+              start=None, # what starts the history log once `ck` is written (`make_point`)
+              stopping:float|None=None, # a signal stops the run: the write is in the foreground
+             ):
         "Give the writer the resume point `ck`: in the background, as a snapshot on the device when it has room"
+        if ck is None: return
         if self.background:
             self.snapshot = self.snapshot or Snapshot()
             ck = self.snapshot.take(ck)  # `Pending`

@@ -17,7 +17,7 @@ from .state import *
 from .store import is_url, locate
 from .hooks import short_refusals, FitEvents, fastai_code, fit_call, is_a, when_imported
 from .collectives import read_on_rank0, world_size
-from .point import ResumePoint, restore_rest, write_point
+from .point import ResumePoint, restore_rest, make_point
 from .skip import SkipToIter
 from .fitcalls import run_setup
 
@@ -49,10 +49,14 @@ def save(self:Learner, file, # a name in `learn.path/learn.model_dir`, a path, o
     if with_iter is None: with_iter = not self.resume.fitting and self.resume.run is not None
     file,full = _location(self, file),with_opt and with_iter and self.opt is not None
     if rank_distrib():
-        if full: write_point(self, None, None)  # every rank takes part in gathering the states; rank 0 writes
+        if full: make_point(self, None, None)  # every rank takes part in gathering the states; rank 0 writes
         return file
     store,name = locate(file)
-    if full: return write_point(self, store, name, extra=extra, durable=durable, pickle_protocol=pickle_protocol)
+    if full:
+        ck,start = make_point(self, store, name, extra=extra)
+        out = store.save(ck, name, durable=durable, pickle_protocol=pickle_protocol)
+        if start: start(durable=durable)  # the history log, once the point that holds its rows is written
+        return out
     if store.local:
         save_model(file, self.model, getattr(self,'opt',None), with_opt=with_opt, pickle_protocol=pickle_protocol)
         return file

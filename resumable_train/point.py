@@ -18,7 +18,7 @@ from .loaders import check_callbacks, check_resumable, loader_record
 
 # %% auto #0
 __all__ = ['ResumePoint', 'capture', 'restore', 'restore_epoch', 'restore_end', 'rest_point', 'restore_rest', 'checkpoint',
-           'write_point']
+           'make_point']
 
 # %% ../nbs/02c_point.ipynb #866a68e2
 def _grad_state(p, zeroed=False): return None if p.grad is None else 0 if zeroed or not p.grad.any() else p.grad
@@ -253,9 +253,13 @@ def checkpoint(learn, with_iter:bool=True, # include the resume point
                copy:bool=False, # copy every tensor to host memory, so training can go on while it is written
               )->dict:
     "What `learn.save` writes: model, optimizer and the resume record"
-    rec = _record(learn, with_iter, extra)
+    return _checkpoint(learn, _record(learn, with_iter, extra), copy)
+
+def _checkpoint(learn, rec:dict, copy:bool=False)->dict:
+    "The checkpoint of `learn`'s model and optimizer with the record `rec`"
     return make_checkpoint(to_plain(get_model(learn.model).state_dict(), copy), to_plain(learn.opt.state_dict(), copy),
                            to_plain(rec, copy) if copy else rec)
+
 
 # %% ../nbs/02c_point.ipynb #23a98662
 def _at(d, path):
@@ -265,9 +269,9 @@ def _at(d, path):
 
 def _n_rows(packed:dict)->int: return len(next(iter(packed.values())))
 
-def _log_history(learn, ck, store, log:str)->callable|None:
-    "Move `ck`'s per-batch histories to the log `log` of a local `store`, or return what starts the log later"
-    cbs = (resume_record(ck) or {}).get('callbacks')
+def _log_history(learn, rec:dict, store, log:str)->callable|None:
+    "Move the record's per-batch histories to the log `log` of a local `store`, or return what starts the log later"
+    cbs = rec.get('callbacks')
     if not store.local or not isinstance(cbs, dict): return None
     hs = logged_histories(learn)
     packed = {p: v for p in hs if isinstance(v := _at(cbs, p), dict)}
@@ -283,20 +287,13 @@ def _log_history(learn, ck, store, log:str)->callable|None:
         del _at(cbs, up)[k]
     cbs['recorder']['history'] = ref
 
-def write_point(learn, store, # the store to write in (`locate`); ignored on ranks other than 0
-                name:str, # the file's name in `store`
-                log:str|None=None, # the history log's name in `store`: by default `name` with `.history` for `.pth`
-                extra:dict|None=None, # more plain values to keep in the record
-                write=None, # `write(ck, start)` writes the point `ck`, then calls `start()`; by default `store.save`
-                **kwargs, # for `store.save`: `durable`, `pickle_protocol`
-               ):
-    "Make `learn`'s resume point and write it as `name` in `store`, its per-batch histories in the log `log`"
-    if rank_distrib():  # every rank takes part in gathering the states; rank 0 writes
-        _record(learn, True)
-        return None
-    ck = checkpoint(learn, extra=extra)
-    start = _log_history(learn, ck, store, log or f"{name.removesuffix('.pth')}.history")
-    if write is not None: return write(ck, start)
-    out = store.save(ck, name, **kwargs)
-    if start: start(durable=kwargs.get('durable', True))
-    return out
+def make_point(learn, store, # the store it is written in (`locate`); ignored on ranks other than 0
+               name:str, # the file's name in `store`
+               log:str|None=None, # the history log's name in `store`: by default `name` with `.history` for `.pth`
+               extra:dict|None=None, # more plain values to keep in the record
+              )->tuple:
+    "`(ck, start)`: `learn`'s resume point to write as `name` in `store`, and what starts its history log once written"
+    rec = _record(learn, True, extra)  # every rank takes part in gathering the states; rank 0 writes
+    if rank_distrib(): return None,None
+    start = _log_history(learn, rec, store, log or f"{name.removesuffix('.pth')}.history")
+    return _checkpoint(learn, rec),start
