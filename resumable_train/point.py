@@ -241,24 +241,22 @@ def restore_rest(learn, rest:dict):
     ranks,r = rest.get('ranks') or [],rank_distrib()  # under a trainer, this rank's own
     set_rng_state(ranks[r] if r < len(ranks) and ranks[r] is not None else rest['rng'])
 
-def _record(learn, with_iter, extra=None):
-    point = capture(learn) if with_iter else None
+def _record(learn, extra=None)->dict:
+    "The resume record of `learn` now: the running fit call's point, or between fit calls the stage's rest point"
+    point = capture(learn)
     if point is not None: return dict(point.to_record(), **to_plain(extra or {}))
     # outside a fit call: a stage that a later run may load instead of training it (`learn.load`)
-    rest = dict(rest=rest_point(learn)) if with_iter and not learn.resume.fitting and learn.opt is not None else {}
+    rest = dict(rest=rest_point(learn)) if not learn.resume.fitting and learn.opt is not None else {}
     return dict(to_plain(dict(epoch=None, meta=_meta(), **rest)), **to_plain(extra or {}))
 
-def checkpoint(learn, with_iter:bool=True, # include the resume point
-               extra:dict|None=None, # more plain values to keep in the record
-               copy:bool=False, # copy every tensor to host memory, so training can go on while it is written
+def checkpoint(learn, extra:dict|None=None, # more plain values to keep in the record
               )->dict:
-    "What `learn.save` writes: model, optimizer and the resume record"
-    return _checkpoint(learn, _record(learn, with_iter, extra), copy)
+    "Model, optimizer and the resume record, as `learn.save` writes them before the histories go to their log"
+    return _checkpoint(learn, _record(learn, extra))
 
-def _checkpoint(learn, rec:dict, copy:bool=False)->dict:
+def _checkpoint(learn, rec:dict)->dict:
     "The checkpoint of `learn`'s model and optimizer with the record `rec`"
-    return make_checkpoint(to_plain(get_model(learn.model).state_dict(), copy), to_plain(learn.opt.state_dict(), copy),
-                           to_plain(rec, copy) if copy else rec)
+    return make_checkpoint(to_plain(get_model(learn.model).state_dict()), to_plain(learn.opt.state_dict()), rec)
 
 
 # %% ../nbs/02c_point.ipynb #23a98662
@@ -293,7 +291,7 @@ def make_point(learn, store, # the store it is written in (`locate`); ignored on
                extra:dict|None=None, # more plain values to keep in the record
               )->tuple:
     "`(ck, start)`: `learn`'s resume point to write as `name` in `store`, and what starts its history log once written"
-    rec = _record(learn, True, extra)  # every rank takes part in gathering the states; rank 0 writes
+    rec = _record(learn, extra)  # every rank takes part in gathering the states; rank 0 writes
     if rank_distrib(): return None,None
     start = _log_history(learn, rec, store, log or f"{name.removesuffix('.pth')}.history")
     return _checkpoint(learn, rec),start
