@@ -221,7 +221,8 @@ class AutoResume(LeanCallback):
             if (c := checking()) is not None:
                 c.begin(self.fit_index, self.n_epoch, len(self.dls.train), self.fname, self.resumed_iter)
             self.fit_calls.unfinished = True
-            fresh = kind == 'start' and self.fit_index == 0 and file is None
+            # a new run's story: not a call that starts again after an exception in this process
+            fresh = kind == 'start' and self.fit_index == 0 and file is None and not self.fit_calls.restart
             self.runlog.begin(self.fit_index, (self.n_epoch, self.fits[-1].get('n_iter')), self.resumed_from,
                               fresh=fresh)
             mine = (self, self._look_cb)
@@ -247,7 +248,8 @@ class AutoResume(LeanCallback):
         train_iter = learn.train_iter
         if self.check is not None and self.check.due(self.fit_index, train_iter):
             self.stop_signals(signal.SIGTERM, None)  # `resumable-train check`'s stop
-        self.runlog.reached(self.fit_index, learn.epoch, learn.iter+1, train_iter)  # how far a killed process got
+        rs = learn.resume
+        self.runlog.reached(self.fit_index, rs.epoch, rs.iter+1, train_iter)  # how far a killed process got
         due = self.due or bool(self.every_iter and train_iter % self.every_iter == 0)
         if self.every_secs:
             late = time.monotonic() - self.last_save >= self.every_secs
@@ -284,9 +286,10 @@ class AutoResume(LeanCallback):
                   f"{self.stop_note}, run the same command again to continue", own_line=True)
         self._exit()
 
-    def left_fit(self):
+    def left_fit(self, raised:bool=False): # an exception ended it: the call is over, and the next starts afresh
         "`Learner.fit` ended, whatever the way: put the handlers back and finish the write in flight"
         if self.state == 'idle': return
+        if raised and self.state == 'training': self.fit_calls.raised = True
         if self.runlog is not None: self.runlog.ended('an exception')
         self._cleanup()
         try: self.writer.wait()
@@ -308,7 +311,7 @@ class AutoResume(LeanCallback):
         starts = rs.starts[:self.fit_index+1] + ([start_digest(self.learn)] if end else [])
         modes = [m.training for m in self.learn.model.modules()]  # a fit leaves its model in eval mode after validation
         extra = dict(fit_index=self.fit_index, fits=rs.fits, ends=ends, starts=starts,
-                     **({'last_epoch': self.epoch, 'train_modes': modes} if end else {}))
+                     **({'last_epoch': self.learn.resume.epoch, 'train_modes': modes} if end else {}))
         if end: self.ends = ends
         if not self.points.ready(stopping): return
         ck,start = make_point(self.learn, self.points.store, name, log=self.log, extra=extra)
@@ -349,7 +352,7 @@ class AutoResume(LeanCallback):
         self.stop_note = "resume point saved" if saved else f"no resume point was written there: {self._kept()}"
         ep,it = fit_position(self.learn)
         self.runlog.stopped(signal.Signals(signum).name, self.fit_index, ep, it, self.train_iter, saved)
-        at = position_text(ep, it, self.n_epoch, len(self.dls.train))
+        at = position_text(ep, it, self.learn.resume.n_epoch, len(self.dls.train))
         self._say(f"AutoResume: stopped by {signal.Signals(signum).name} at {at}; {self.stop_note}, run the same "
                   "command again to continue", own_line=True)
         raise CancelFitException()

@@ -34,16 +34,17 @@ def list_checkpoints(path, # the folder (usually `learn.path/learn.model_dir`), 
     store = as_store(path)
     return L(store.where(e.name) for e in entries(store, fname))
 
-def newest_valid(path, fname:str='autoresume'):
+def newest_valid(path, fname:str='autoresume',
+                 damaged:list|None=None): # where to put what is wrong with each damaged one (else: warned)
     "The newest resume point in `path` that loads, as `(file, state)` (or `(None, None)`), warning of each damaged one"
     store = as_store(path)
     for e in entries(store, fname):
         try: state = store.load(e.name, mmap=True)  # the scan looks at the record: the weights stay on disk
-        except CheckpointError as err:
-            warnings.warn(f"{err}; skipping it")
-            continue
-        if resume_record(state) is None: warnings.warn(f"{store.where(e.name)} holds no resume point; skipping it")
-        else: return store.where(e.name), state
+        except CheckpointError as err: state,wrong = None,str(err)
+        else: wrong = None if resume_record(state) is not None else f"{store.where(e.name)} holds no resume point"
+        if wrong is None: return store.where(e.name), state
+        if damaged is None: warnings.warn(f"{wrong}; skipping it")
+        else: damaged.append(wrong)
     return None, None
 
 # %% ../nbs/03a_checkpoints.ipynb #13e58503
@@ -76,6 +77,14 @@ def _newest_rank(file, state, fname)->tuple:
     src = max(range(len(wheres)), key=lambda r: (wheres[r][:4], -r))
     return src, (wheres[src][4] if wheres[src][0] else None)
 
+def _all_damaged(store, fname, damaged:list)->CheckpointError:
+    folder = getattr(store, 'folder', store.url)
+    return CheckpointError(
+        f"AutoResume: {folder} holds {len(damaged)} resume point{'s'*(len(damaged) != 1)} of the run {fname!r}, and none "
+        f"is valid ({'; '.join(damaged)}), so the run cannot continue from them. Put back an undamaged copy of one; "
+        f"or, to start fresh, run `resumable-train clean {folder} --fname {fname}` (it removes the run's files) or give "
+        "AutoResume another fname")
+
 def scan_run(store, # where the run's resume points live (on this node)
              fname:str, # the name `AutoResume` was given
              wait:float=0, # seconds to wait for the run's lock
@@ -86,7 +95,11 @@ def scan_run(store, # where the run's resume points live (on this node)
     if not group or int(os.environ.get('LOCAL_RANK', dist.get_rank())) == 0:
         try:
             if not rank_distrib(): store.lock(fname, wait)
-            file,state = newest_valid(store, fname)
+            damaged = []
+            file,state = newest_valid(store, fname, damaged)
+            for wrong in (damaged if file is not None else []): warnings.warn(f"{wrong}; skipping it")
+            # the run's points, none of them valid: nothing to continue from, and no ground to start afresh
+            if file is None and damaged: raise _all_damaged(store, fname, damaged)
             top = max([checkpoint_number(e.name, fname) for e in entries(store, fname)] + [0])
         except Exception as e: err = e  # every rank learns of it below
     if not group:

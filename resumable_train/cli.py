@@ -37,7 +37,9 @@ def _floats(h)->list:
     if isinstance(h, dict): h = next(iter(h.values()))
     return [float(v) for v in h]
 
-def _value(v)->float: return float('nan') if v is None else float(v)  # `None`: no validation set, nothing to draw
+def _value(v)->float:
+    "An epoch's value to draw: `None` (no validation set) or a string (a time, see `files`) draws nothing"
+    return float('nan') if v is None or isinstance(v, str) else float(v)
 
 def plot_data(where, # a folder, an fsspec URL or a store
               fname:str='autoresume', # the name `AutoResume` was given

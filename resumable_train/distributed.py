@@ -119,6 +119,7 @@ class RankGate:
 class DDPTrainer(RankGate, Callback):
     "Train with `DistributedDataParallel` under `torchrun`: sharded data, output and files on rank 0, joint stops"
     order = 11
+    outer = True  # it sees the fit call's own events alone: a call inside an event evaluates on this rank, as outside fit
     # `learn.distributed_trainer`, and the key of its state in resume points, as up to 0.2.0
     name = 'distributed_trainer'
     def __init__(self, timeout:float=600, # seconds a rank waits for the others before it fails with an error
@@ -137,6 +138,7 @@ DistributedTrainer = DDPTrainer  # 0.2.0's name, importable by name only: outsid
 @patch
 def _call(self:RankGate, event_name):
     "Run the event on this rank's callbacks; hold back stops until all ranks take them together"
+    if self.learn.resume.depth: return self.dispatch(event_name)  # a call inside an event: not the fit call's
     self._restore_rank_rng()
     try:
         with contextlib.redirect_stdout(self.null) if self.rank else contextlib.nullcontext(): self.dispatch(event_name)

@@ -197,6 +197,15 @@ def _position(r):
     s = _setup(r.get('setup'))
     n_epoch,n_iter = s['n_epoch'],s['n_iter']
     ep = _int(r.get('epoch'), 'epoch', 0, n_epoch)
+    # a stream's `len()` is a hint: its epochs may hold more batches or fewer; after a fit inside an event, the
+    # Learner counts on from that fit's `train_iter` and `pct_train`, as fastai's does
+    if s.get('len_estimate') or r.get('inner_fits'):
+        it = _int(r.get('iter'), 'iter', 0)
+        _int(r.get('train_iter'), 'train_iter', 0 if r.get('inner_fits') else it)
+        if 'inner_fits' in r: _int(r['inner_fits'], 'inner_fits', 1)
+        if 'learner_n_epoch' in r: _int(r['learner_n_epoch'], 'learner_n_epoch', 0)
+        if not _is_num(r.get('pct_train')) or not r['pct_train'] >= 0: _fail('pct_train', "is not a number >= 0")
+        return _epoch_rng(r) if it else None
     it = _int(r.get('iter'), 'iter', 0, 0 if ep == n_epoch else n_iter)
     _int(r.get('train_iter'), 'train_iter', it, ep*n_iter + it)
     pct = r.get('pct_train')
@@ -206,11 +215,14 @@ def _position(r):
     if not lo - 1e-6 <= pct <= done + 1e-6:
         _fail('pct_train', f"is {pct}, but epoch {ep}, batch {it} of {n_epoch} epoch{'s'*(n_epoch != 1)} of "
                            f"{n_iter} batches is at {done:.6f}")
-    if it:
-        er = _of(r.get('epoch_rng'), 'epoch_rng', dict)
-        _tensor(er.get('torch'), 'epoch_rng.torch', torch.uint8)
-        if er.get('dl') is not None: _dl_rng(er['dl'], 'epoch_rng.dl')  # format 3's
-        if er.get('rng') is not None: _rng(er['rng'], 'epoch_rng.rng')
+    if it: _epoch_rng(r)
+
+def _epoch_rng(r):
+    "Check the random streams an epoch began with, which a resume point inside it keeps"
+    er = _of(r.get('epoch_rng'), 'epoch_rng', dict)
+    _tensor(er.get('torch'), 'epoch_rng.torch', torch.uint8)
+    if er.get('dl') is not None: _dl_rng(er['dl'], 'epoch_rng.dl')  # format 3's
+    if er.get('rng') is not None: _rng(er['rng'], 'epoch_rng.rng')
 
 def _loaders(r):
     "Check the DataLoaders' states (`LoaderState`): each one's stream, and the training one's at the epoch's start"
@@ -253,7 +265,8 @@ def _history(r):
         if k in rec: _of(rec[k], f'callbacks.recorder.{k}', list)
     for i,row in enumerate(rec.get('values', [])):
         for j,v in enumerate(_of(row, f'callbacks.recorder.values[{i}]', list, tuple)):
-            if not (v is None or _is_num(v) or isinstance(v, torch.Tensor)):
+            # a string too: an epoch's time, where a callback validated inside `after_epoch` (fastai records its log then)
+            if not (v is None or _is_num(v) or isinstance(v, (torch.Tensor, str))):
                 _fail(f'callbacks.recorder.values[{i}][{j}]', f"is {v!r}, not a number")
 
 def check_record(r:dict,
@@ -266,8 +279,10 @@ def check_record(r:dict,
     else:
         if 'setup' in r: _setup(r['setup'])
         if 'train_iter' in r: _int(r['train_iter'], 'train_iter', 0)
-        if 'pct_train' in r and not (_is_num(r['pct_train']) and 0 <= r['pct_train'] <= 1 + 1e-9):
-            _fail('pct_train', f"is {r['pct_train']!r}, not a number in [0, 1]")
+        # past 1 where a stream's epochs held more batches than its `len()` said
+        hi = math.inf if (r.get('setup') or {}).get('len_estimate') or r.get('inner_fits') else 1 + 1e-9
+        if 'pct_train' in r and not (_is_num(r['pct_train']) and 0 <= r['pct_train'] <= hi):
+            _fail('pct_train', f"is {r['pct_train']!r}, not a number in [0, {hi:.0f}]")
     if 'hypers' in r:
         hs = _of(r['hypers'], 'hypers', list, tuple)
         if not hs: _fail('hypers', "is empty")

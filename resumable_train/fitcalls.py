@@ -40,6 +40,11 @@ def loader_of(dl):
     p = getattr(dl, 'pipeline', None) if is_webdataset(dl) else None
     return p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], torch.utils.data.DataLoader) else dl
 
+def _len_exact(dl)->bool:
+    "Is `len(dl)` the number of batches each epoch holds (a map-style dataset), not a hint (a stream's `__len__`)?"
+    ds = getattr(dl, 'dataset', None)
+    return ds is None or hasattr(ds, '__getitem__') and not isinstance(ds, torch.utils.data.IterableDataset)
+
 def run_setup(learn, n_epoch:int,
               start:bool=False, # as a fit call starts: with the parameters it trains (those `freeze` leaves)
              )->dict:
@@ -50,6 +55,7 @@ def run_setup(learn, n_epoch:int,
                 n_items=getattr(dl, 'n', None) or len(dl.dataset),
                 n_params=sum(p.numel() for p in learn.model.parameters()),
                 schedule=learn.resume.schedule, world_size=num_distrib() or 1, model=_arch(learn.model),
+                **({} if _len_exact(dl) else {'len_estimate': True}),
                 **({'trainable_params': sum(p.numel() for p in learn.model.parameters() if p.requires_grad)} if start
                    else {}))
 
@@ -245,9 +251,12 @@ class FitCalls:
         self.done,self.index = 0,0  # the calls completed; the number of the running (or last) call
         # a call stopped before its end; a stop after its end; a cell run again
         self.unfinished,self.cut,self.again = False,False,False
+        # the running call raised an exception in this process: the same run of the code calls it afresh, as in fastai
+        self.raised,self.restart = False,False
 
     # `learn.export`
-    def __getstate__(self): return dict(self.__dict__, calls=[], caller=(None, None), cut=False, unfinished=False)
+    def __getstate__(self):
+        return dict(self.__dict__, calls=[], caller=(None, None), cut=False, unfinished=False, raised=False)
 
     def identify(self, learn, plan:dict)->dict:
         "What tells this fit call from the others: where it is called from, by which run of that code, setup and plan"
@@ -261,6 +270,12 @@ class FitCalls:
 
     def which(self, me:dict, refusal)->int:
         "The number of the fit call `me` (see the rule above); `refusal(msg)` makes the error for none of them"
+        # after an exception caught by the same run of the code (a retry in a loop, another call in `except`), fastai's
+        # next fit starts from the Learner as the exception left it: so does this call, numbered as the one that raised;
+        # a new run of that code (its cell run again) continues the call, as after a stop
+        raised,self.raised = self.raised,False
+        self.restart = raised and self.unfinished and me['run'] == self.calls[self.index]['run']
+        if self.restart: self.unfinished = False
         self.again = self.unfinished or self.cut
         if not self.again: return self.done
         n = self.index  # the interrupted call

@@ -105,7 +105,16 @@ class ResumeState:
     "One `Learner`'s resume state: the resume point waiting for the next `fit`, and where the running fit call is"
     def __init__(self):
         self.pending = None  # the resume point `learn.load` left for the next `fit`
-        self.fitting,self.event = False,None  # inside the package's `Learner.fit`; the event being sent
+        self.fitting,self.event = False,None  # inside the package's `Learner.fit`; the event of the fit call being sent
+        # events being sent, one inside the other: more than one inside an event, where a callback called `one_batch`,
+        # `validate`, `get_preds` or `fit` (a call inside an event, which is not the run's: `nested`)
+        self.depth = 0
+        # where the fit call's own loop is: its epoch, its batch (counted from the epoch's start), its phase ('train',
+        # 'validate' or `None`); told by the outermost loop alone, never by a call inside an event
+        self.epoch,self.iter,self.phase = 0,0,None
+        # the running fit call's `n_epoch` (a fit inside an event sets the Learner's); how many fits its callbacks made
+        # inside its events, whose `n_epoch` the Learner keeps (as fastai's does) until `attrs` put it back on a resume
+        self.n_epoch,self.inner_fits,self.attrs = 0,0,{}
         # the fit method the user called; `start_epoch`, `start_iter` it passed
         self.call,self.start = None,(0, 0, 'fit')
         self.schedule = 'fit'  # the fit method whose schedule the running call follows
@@ -142,7 +151,13 @@ class ResumeState:
     def skip(self):
         "The running fit call trains nothing: no epoch sends an event"
         self.skipping,self.start_epoch,self.pending = True,math.inf,None
-    def begin(self, schedule:str): self.fitting,self.schedule,self.event = True,schedule,None
+    def begin(self, schedule:str, n_epoch:int):
+        "A fit call of the run starts"
+        self.fitting,self.schedule,self.event,self.epoch,self.iter,self.phase = True,schedule,None,0,0,None
+        self.n_epoch,self.inner_fits,self.attrs = n_epoch,0,{}
+        self.sent = (), {}, []  # sorted again: a handler set on a callback since the last fit (`cb.after_batch = f`) is sent
+    @property
+    def nested(self)->bool: return self.depth > 1  # in a callback: the event was sent by a call inside another event
     def end(self):
         "The fit call ended, whatever the way"
         self.fitting,self.skipping,self.rested = False,False,False
@@ -160,17 +175,18 @@ class ResumeState:
         "The event being sent, and whether `zero_grad` left the gradients (a cancel may skip it; it follows a step)"
         self.event = event_name
         if (z := _ZEROED.get(event_name)) is not None: self.zeroed = z
-    def callbacks(self, cbs, event_name:str)->list:
+    def callbacks(self, cbs, event_name:str, nested:bool=False)->list:
         ("The callbacks fastai sends `event_name` to, in its order (`cbs.sorted('order')`), but the `LeanCallback`s "
-         "that ignore it")
+         "that ignore it, and with `nested` (a call inside an event) the package's own, which see the fit call's alone")
         cbs = getattr(cbs, 'items', cbs)
         try: key = (*map(id, cbs), *map(_order, cbs))  # read at every event: no loop in Python
         except AttributeError: key = (*map(id, cbs), *[getattr(cb, 'order', 0) for cb in cbs])
         if key != self.sent[0]: self.sent = key,{},list(cbs)  # the list keeps the callbacks, so no id is reused
-        out = self.sent[1].get(event_name)
+        k = (event_name, nested) if nested else event_name
+        out = self.sent[1].get(k)
         if out is None:
-            out = self.sent[1][event_name] = [cb for cb in sorted(cbs, key=lambda o: getattr(o, 'order', 0))
-                                              if _sent(cb, event_name)]
+            out = self.sent[1][k] = [cb for cb in sorted(cbs, key=lambda o: getattr(o, 'order', 0))
+                                     if _sent(cb, event_name) and not (nested and getattr(cb, 'outer', False))]
         return out
 
 @patch(as_prop=True)
@@ -182,12 +198,27 @@ def resume(self:Learner)->ResumeState:
 
 @patch
 def _with_events(self:Learner, f, event_type, ex, final=noop):
-    if event_type == 'epoch' and self.epoch < self.resume.start_epoch: return  # before the start's epoch
-    return _fastai['_with_events'](self, f, event_type, ex, final)
+    rs,stock = self.resume,_fastai['_with_events']
+    # the fit call's own loop tells where it is; a call inside an event runs as fastai runs it
+    if event_type == 'batch' or rs.depth: return stock(self, f, event_type, ex, final)
+    if event_type == 'epoch':
+        if self.epoch < rs.start_epoch: return  # before the start's epoch
+        rs.epoch = self.epoch
+        # the first epoch of a resumed call: the Learner's attributes as a fit inside an event left them (`n_epoch`)
+        if rs.attrs: [setattr(self, k, v) for k,v in rs.attrs.items()]; rs.attrs = {}
+    if event_type not in ('train', 'validate'): return stock(self, f, event_type, ex, final)
+    rs.phase = event_type
+    # however the phase ends (a `CancelEpochException` skips `after_train`): the next numbers its batches from 0
+    try: return stock(self, f, event_type, ex, final)
+    finally: rs.phase,rs.first_iter = None,0
 Learner._with_events._fastai = _fastai['_with_events']
 
 @patch
-def one_batch(self:Learner, i, b): return _fastai['one_batch'](self, i + self.resume.first_iter, b)
+def one_batch(self:Learner, i, b):
+    rs = self.resume
+    if rs.depth: return _fastai['one_batch'](self, i, b)  # called inside an event (`TensorBoardCallback`'s `log_preds`)
+    rs.iter = i = i + rs.first_iter
+    return _fastai['one_batch'](self, i, b)
 Learner.one_batch._fastai = _fastai['one_batch']
 
 @patch
@@ -196,17 +227,23 @@ def _call_one(self:Learner, event_name):
      "events it defines")
     if not hasattr(event, event_name): raise Exception(f'missing {event_name}')
     rs = self.resume
-    if rs.fitting: rs.note(event_name)  # before any callback sees it
-    for cb in rs.callbacks(self.cbs, event_name): cb(event_name)
+    depth = rs.depth
+    if rs.fitting and not depth: rs.note(event_name)  # the fit call's own event, before any callback sees it
+    rs.depth = depth+1
+    try:
+        for cb in rs.callbacks(self.cbs, event_name, depth > 0): cb(event_name)
+    finally: rs.depth = depth
 Learner._call_one._fastai = _fastai['_call_one']
 
 class LeanCallback(Callback):
     ("A `Callback` that costs nothing at the events it does not define (fastai's `__call__` looks each up through "
-     "`GetAttr`)")
+     "`GetAttr`), and sees only the fit call's own events, never those of a call inside an event")
+    outer = True  # `ResumeState.callbacks` sends it no event of a call inside an event
     # read at every event of the inner loop: straight from the Learner
     training = property(lambda self: self.learn.training)
-    @classmethod
-    def acts_at(cls, event_name:str)->bool: return getattr(cls, event_name, None) is not None  # it defines the event
+    def acts_at(self, event_name:str)->bool:
+        "Does it define `event_name`, in its class or as a handler of its own (`cb.after_batch = f`, as fastai allows)"
+        return getattr(type(self), event_name, None) is not None or event_name in self.__dict__
     def __call__(self, event_name):
         if self.acts_at(event_name): return super().__call__(event_name)
         if event_name == 'after_fit': self.run = True  # as fastai's `__call__` sets it back at every fit's end

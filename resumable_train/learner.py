@@ -211,6 +211,10 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
         start_iter:int=0, # the batch of `start_epoch` to start at
        ):
     "Fit `self.model` for `n_epoch`, from the loaded resume point or from batch `start_iter` of epoch `start_epoch`"
+    # called inside an event (a callback's `fit` with `removed_cbs`, `lr_find`): fastai's own, not a fit call of the run
+    if self.resume.depth:
+        self.resume.inner_fits += 1
+        return _stock_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=start_epoch)
     se,si,schedule = self.resume.take_start()
     if not (start_epoch or start_iter): start_epoch,start_iter = se,si
     if start_epoch or start_iter: self.resume.pending = None
@@ -222,15 +226,17 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
     if not any(isinstance(cb, SkipToIter) for cb in cbs+self.cbs): cbs += SkipToIter(start_epoch, start_iter)
     if not any(isinstance(cb, FitEvents) for cb in cbs+self.cbs): cbs += FitEvents()
     left = {id(cb): cb for cb in L(self.cbs)+cbs}  # `cbs` are gone from `self.cbs` when `fit` ends
-    self.resume.begin(schedule)
+    self.resume.begin(schedule, n_epoch)
+    raised = False  # an exception (not a stop: `KeyboardInterrupt`, `SystemExit`) ended the call in this process
     try:
         with fit_call(self, _stock_fit, (n_epoch,), {k: v for k,v in dict(lr=lr, wd=wd).items() if v is not None}):
             _stock_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=stock_start)
+    except Exception: raised = True; raise
     finally:
         self.resume.end()
         for cb in left.values():
             # whatever way `fit` ends: fastai sends no `after_fit` after an exception
-            if hasattr(type(cb), 'left_fit'): cb.left_fit()
+            if hasattr(type(cb), 'left_fit'): cb.left_fit(raised)
 Learner.fit._fastai = _stock_fit
 
 # %% ../nbs/02f_learner.ipynb #948857b7

@@ -58,9 +58,11 @@ def epoch_streams(learn)->dict:
     return dict(torch=torch.get_rng_state(), rng=rng_state(), loader=LoaderState(learn.dls.train).state_dict())
 
 def fit_position(learn):
-    ev = learn.resume.event
-    if ev == 'after_batch' and learn.training: return learn.epoch, learn.iter+1
-    if ev == 'after_epoch': return learn.epoch+1, 0
+    ("Where the running fit call continues after the event of its own being sent: `(epoch, batch)`, or `None` "
+     "(its start, validation, its end); what a call inside an event does moves nothing")
+    rs = learn.resume
+    if rs.event == 'after_batch' and rs.phase == 'train': return rs.epoch, rs.iter+1
+    if rs.event == 'after_epoch': return rs.epoch+1, 0
 
 def log_owner(hs:dict, names)->tuple:
     "Who the histories in log columns `names` are: their `History`s' generations in `hs` (`logged_histories`)"
@@ -128,9 +130,17 @@ def _worker_streams(learn)->list|None:
 
 def _workers_of(dl)->int: return dl.fake_l.num_workers if hasattr(dl, 'fake_l') else dl.num_workers
 
+def _inner_fits(learn)->dict:
+    ("The fits made inside the running call's events, if any: a point after them counts its batches and `pct_train` as "
+     "fastai does then (from the inner fit's), and the Learner's `n_epoch` is the inner fit's")
+    rs = learn.resume
+    if not rs.inner_fits: return {}
+    return dict(inner_fits=rs.inner_fits, **({'learner_n_epoch': learn.n_epoch} if learn.n_epoch != rs.n_epoch else {}))
+
 def capture(learn)->ResumePoint|None:
     "The state of `learn`'s running `fit` at this batch boundary (or at its end), or `None` outside `fit`"
-    if not learn.resume.fitting: return None
+    rs = learn.resume
+    if not rs.fitting: return None
     pos = fit_position(learn)
     if pos is None and learn.resume.event not in ('after_fit','after_cancel_fit'): return None
     epoch,it = pos or (None,0)
@@ -143,7 +153,7 @@ def capture(learn)->ResumePoint|None:
                           workers=_worker_streams(learn))
     return ResumePoint(dict(
         to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train,
-                      hypers=learn.opt.hypers, setup=run_setup(learn, learn.n_epoch), meta=_meta())),
+                      hypers=learn.opt.hypers, setup=run_setup(learn, rs.n_epoch), meta=_meta(), **_inner_fits(learn))),
         rng=rng_state(), loaders=loaders, modules=module_states(learn.model),  # plain already:
         epoch_rng=None if er is None else {k:v for k,v in er.items() if k != 'loader'},
         callbacks=callback_states(learn),
@@ -162,7 +172,9 @@ def restore(learn, point:ResumePoint):
     rec = point.rec
     check_resumable(learn.dls.train)
     check_callbacks(learn)
-    if point.check: check_setup(rec['setup'], run_setup(learn, learn.n_epoch), point.file)
+    if point.check: check_setup(rec['setup'], run_setup(learn, learn.resume.n_epoch), point.file)
+    learn.resume.inner_fits = rec.get('inner_fits', 0)
+    if 'learner_n_epoch' in rec: learn.resume.attrs = {'n_epoch': rec['learner_n_epoch']}  # for its first epoch
     if point.strict_hypers is not None: check_plan(rec.get('plan'), fit_plan(learn), point.file, point.strict_hypers)
     asked = asked_hypers(rec.get('plan'), learn.resume.asked)  # what the user changed since: applied
     for k in rec['hypers'][0]: learn.opt.set_hyper(k, [asked.get((g,k), h[k]) for g,h in enumerate(rec['hypers'])])
@@ -199,6 +211,7 @@ def restore_end(learn, point:ResumePoint,
     if not rested: restore_grads(learn, rec)
     restore_streams(learn, rec, dls=not rested, fresh=point.fresh, rng=not rested)
     learn.train_iter,learn.pct_train = rec['train_iter'],rec['pct_train']
+    if 'learner_n_epoch' in rec: learn.n_epoch = rec['learner_n_epoch']  # as a fit inside an event left it
     if rested: return
     for m,t in zip(learn.model.modules(), rec.get('train_modes', [])): m.training = t
 

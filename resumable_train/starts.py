@@ -71,7 +71,7 @@ class FitStart:
         store_attr()
         self.points.store,self.points.run = store,run
         # the rank whose node holds the newest resume point; a finished call's end state (file, checkpoint), its epoch
-        self.src,self.end_state,self.last_epoch = 0,None,None
+        self.src,self.end_state,self.end_point,self.last_epoch = 0,None,None,None
     @property
     def folder(self): return getattr(self.store, 'folder', self.store.url)  # a local folder, or a URL
     @property
@@ -96,7 +96,8 @@ class FitStart:
                                   f"in {self.folder}, so the Learner no longer holds the state that call started from. "
                                   "Run the script again (in a notebook: restart the kernel and run its cells again): "
                                   "the completed fit calls are loaded, not trained again")
-        if file is None:
+        # no point, or only those of the attempt that raised in this process: the call starts from the Learner as it is
+        if file is None or calls.restart and rec.get('fit_index') == i:
             rs.ends = rs.ends[:i]
             return ('start', None, None, None)
         if rec.get('fit_index') is None:
@@ -142,12 +143,15 @@ class FitStart:
         self.learn.resume.skip()
 
     def end_skip(self):
-        "End the finished fit call where it ended, whatever a callback's `after_fit` loaded meanwhile"
+        "End the finished fit call where it ended, whatever a callback's `after_fit` loaded or drew meanwhile"
         self.learn.epoch = self.last_epoch  # the epoch the finished call ended in
         # a callback's `after_fit` may have loaded weights of a later call (`SaveModelCallback`'s best model, which that
         # call wrote over): the call ends where it ended, as the next call and the code before it saw it
         load_through(self.learn, _stem(self.end_state[0]), with_iter=False, state=self.end_state[1],
                      elastic=self.elastic)
+        # and drew again what they drew then (`get_preds` over a shuffled loader): the end state was saved here, after
+        # them, so the streams and states go back to it, as the uninterrupted run had them at this callback
+        restore_end(self.learn, self.end_point)
 
     def continue_from(self, file, rec, state)->tuple:
         "Continue this fit call from its resume point `file`; the `train_iter` it continues at, and where, in words"
@@ -182,7 +186,8 @@ class FitStart:
             now = set(callback_keys(self.learn))
             rec = dict(rec, callbacks={k:v for k,v in rec['callbacks'].items() if k in now})
         fresh = tuple(self.fresh_callbacks) + (tuple(sorted(now - set(rec['callbacks']))) if after else ())
-        restore_end(self.learn, ResumePoint.from_record(rec, file, fresh=fresh), rested)
+        self.end_point = ResumePoint.from_record(rec, file, fresh=fresh)
+        restore_end(self.learn, self.end_point, rested)
         self.last_epoch = rec.get('last_epoch', self.learn.n_epoch-1)
         self.run.ends = list(rec.get('ends', [])[:i]) + [file_name(file)]  # records of 0.1.0 have no ledger
         return rec

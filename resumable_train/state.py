@@ -96,16 +96,18 @@ def set_dl_rng_state(dl, s:list|dict|None):
     elif s is not None: dl.rng.setstate(_py_state(s))
 
 # %% ../nbs/01_state.ipynb #a1f0c021
+_ABSENT = object()  # an attribute `patch_attrs` found absent from `__dict__` (`None` is a value: a `worker_init_fn`)
+
 def patch_attrs(o, **attrs)->dict:
     "Set attributes of `o` in its `__dict__` (a DataLoader refuses `setattr` of its sampler); for `unpatch_attrs`"
-    old = {n: o.__dict__.get(n) for n in attrs}
+    old = {n: o.__dict__.get(n, _ABSENT) for n in attrs}
     o.__dict__.update(attrs)
     return old
 
 def unpatch_attrs(o, old:dict):
-    "Put back the attributes `patch_attrs` set"
+    "Put back the attributes `patch_attrs` set, as they were: absent, `None` or a value"
     for n,v in old.items():
-        if v is None: o.__dict__.pop(n, None)
+        if v is _ABSENT: o.__dict__.pop(n, None)
         else: o.__dict__[n] = v
 
 # %% ../nbs/01_state.ipynb #42fc7de7
@@ -254,6 +256,22 @@ register_state('fastai.callback.schedule.ParamScheduler', _scheduler_state, _set
 
 def _accumulation_state(cb): return {'count': cb.count}
 register_state('fastai.callback.training.GradientAccumulation', _accumulation_state, _set_vars)
+
+def _gan_state(cb):
+    ("Which of generator and critic trains, and their smoothed losses with their histories (`last_gen`, the last "
+     "generated batch, is only shown: not kept)")
+    return dict(gen_mode=cb.gen_mode, gen_loss=metric_state(cb.gen_loss), crit_loss=metric_state(cb.crit_loss),
+                gen_losses=list(cb.gen_losses), crit_losses=list(cb.crit_losses))
+
+def _set_gan_state(cb, sd):
+    set_metric_state(cb.gen_loss, sd['gen_loss']); set_metric_state(cb.crit_loss, sd['crit_loss'])
+    cb.gen_losses,cb.crit_losses = list(sd['gen_losses']),list(sd['crit_losses'])
+    # the model, the loss and what trains follow the mode, as `switch` sets them (once the fit gave it its models)
+    if hasattr(cb, 'generator'): cb.switch(sd['gen_mode'])
+    else: cb.gen_mode = sd['gen_mode']
+register_state('fastai.vision.gan.GANTrainer', _gan_state, _set_gan_state)
+# the generator's and the critic's steps so far in this epoch
+register_state('fastai.vision.gan.FixedGANSwitcher', lambda cb: _vars_state(cb, ('n_c','n_g')), _set_vars)
 
 def _precision_state(cb):
     "The `GradScaler` and the scale of each step taken; `None` for both at the end of a fit (fastai has dropped them)"

@@ -142,5 +142,5 @@ class WorkerStreams(LeanCallback):
     def state(self)->list|None:
         ("The streams a resume point keeps after the batch just trained: after each residue's last trained batch of "
          "this epoch")
-        return None if self.workers is None else self.workers.state(self.learn.iter + 1 - self.workers.first)
+        return None if self.workers is None else self.workers.state(self.learn.resume.iter + 1 - self.workers.first)
     def resume(self, saved:list, first:int): self.workers.resume(saved, first)

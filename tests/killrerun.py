@@ -16,7 +16,8 @@ class Report(Callback):
     "Print every trained batch as `BATCH fit epoch iter`, and count fit calls and optimizer steps"
     order = -20
     def before_fit(self):
-        if getattr(getattr(self.learn, 'resume', None), 'fitting', True): self.learn.n_fit = getattr(self.learn, 'n_fit', -1) + 1
+        rs = getattr(self.learn, 'resume', None)  # the script's own fit calls: not one a callback makes inside an event
+        if rs is None or rs.fitting and not rs.nested: self.learn.n_fit = getattr(self.learn, 'n_fit', -1) + 1
     def after_step(self): self.learn.steps = getattr(self.learn, 'steps', 0) + 1
     def after_batch(self):
         if not self.training: return

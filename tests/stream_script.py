@@ -68,11 +68,12 @@ class SetEpoch(Callback):
     "Tell the training dataset the epoch (Hugging Face reshuffles by it)"
     def before_train(self): self.dls.train.dataset.set_epoch(self.epoch)
 
-def _hf(shuffle):
+def _hf(shuffle, n=N):
+    "`N` points in 4 shards, shuffled through a buffer or not, that say they are `n`"
     from datasets import Dataset as HFDataset
     xs = [i/N*2-1 for i in range(N)]
     ds = HFDataset.from_dict({'x': xs, 'y': [2*x+0.3 for x in xs]}).to_iterable_dataset(num_shards=4)
-    return Sized(ds.shuffle(seed=3, buffer_size=16) if shuffle else ds, N)
+    return Sized(ds.shuffle(seed=3, buffer_size=16) if shuffle else ds, n)
 
 def hf_buffer(a):
     "The issue's stream: 512 examples in 4 shards, a shuffle buffer of 128, 2 workers, 32 a batch (16 batches an epoch)"
@@ -127,6 +128,16 @@ def hf_state(a):
     from torchdata.stateful_dataloader import StatefulDataLoader
     return DataLoaders(StatefulDataLoader(_hf(False), batch_size=BS, num_workers=2), _valid()), [SetEpoch()]
 
+def hf_long(a):
+    "A shuffled stream in torchdata's loader with 2 workers whose epoch holds 6 batches where `len()` says 5 (issue 48)"
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    return DataLoaders(StatefulDataLoader(_hf(True, N-BS), batch_size=BS, num_workers=2), _valid()), [SetEpoch()]
+
+def hf_short(a):
+    "The same stream, whose epoch holds 6 batches where `len()` says 7"
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    return DataLoaders(StatefulDataLoader(_hf(True, N+BS), batch_size=BS, num_workers=2), _valid()), [SetEpoch()]
+
 def hf_replay(a): return DataLoaders(TorchDL(_hf(True), batch_size=BS), _valid()), [SetEpoch()]
 
 def gen(a): return DataLoaders(TorchDL(Generated(N), batch_size=BS), _valid()), []
@@ -149,7 +160,7 @@ def fastai_gen(a):
 
 def persistent(a): return DataLoaders(TorchDL(Points(N), batch_size=BS, shuffle=True, num_workers=2, persistent_workers=True), _valid()), []
 
-SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_replay=hf_replay, hf_buffer=hf_buffer, gen=gen, fastai_state=fastai_state, fastai_gen=fastai_gen, gen_buffer=gen_buffer, gen_workers=gen_workers, fastai_buffer=fastai_buffer, wds=wds_loader, wds_unseeded=wds_unseeded, persistent=persistent)
+SOURCES = dict(sdl_map=sdl_map, sdl_noisy=sdl_noisy, sdl_iter=sdl_iter, hf_state=hf_state, hf_long=hf_long, hf_short=hf_short, hf_replay=hf_replay, hf_buffer=hf_buffer, gen=gen, fastai_state=fastai_state, fastai_gen=fastai_gen, gen_buffer=gen_buffer, gen_workers=gen_workers, fastai_buffer=fastai_buffer, wds=wds_loader, wds_unseeded=wds_unseeded, persistent=persistent)
 REPLAY = ('hf_replay', 'gen', 'fastai_gen', 'gen_buffer', 'gen_workers', 'fastai_buffer', 'wds', 'wds_unseeded')  # resumed by replaying the stream (`AutoResume(replay=True)`)
 
 def run(a, out, source, path, cbs=()):

@@ -1,0 +1,114 @@
+"""Scripts whose callbacks nest, cancel and retry fastai's events (issue 48): `python owned_script.py OUT --shape SHAPE [--no-resume]`.
+
+Shapes (each `fit_one_cycle(4)` on 9 batches an epoch, unless it says otherwise; a line `NESTED` is printed after each call a
+callback makes inside an event, and `VALID` at each epoch's first validation batch, so that a test can kill the script there):
+- `one-batch`: a callback runs `learn.one_batch` on a validation batch in `after_epoch`, as `TensorBoardCallback(log_preds=True)` does;
+- `get-preds`: a callback scores a test set in `after_epoch` with `removed_cbs(self)` and `get_preds` (fastai's `FetchPredsCallback`);
+- `validate`: a callback runs `learn.validate()` in `after_epoch`, itself removed;
+- `fit-inside`: a callback fits one more epoch inside `after_epoch`, itself removed (a `fit` inside an event);
+- `after-fit`: two fit calls, and a callback whose `after_fit` runs `get_preds` over the shuffled, augmented training loader;
+- `cancel-epoch`: a callback ends every epoch after 5 batches (`CancelEpochException` in `after_batch`);
+- `cancel-valid`: validation on even epochs only (`CancelEpochException` in `after_train`), and a callback that acts on `learn.iter`;
+- `retry`: a transient `RuntimeError` at the 14th batch (once per folder), caught by the script, which calls `fit_one_cycle(4)` again;
+- `fallback`: the same error, and the script falls back to `fit_one_cycle(2, 1e-3)`;
+- `gan`: fastai's `GANLearner.wgan` (its `GANTrainer` switches generator and critic with `FixedGANSwitcher`) on random 16x16
+  images, `fit(3)` of 8 batches an epoch.
+"""
+import argparse, os, time
+from pathlib import Path
+import torch
+from torch import nn
+from fastai.basics import *
+from fastai.callback.all import *
+from killrerun import Report, save_result
+
+p = argparse.ArgumentParser()
+p.add_argument('out')
+p.add_argument('--shape', required=True, choices=['one-batch', 'get-preds', 'validate', 'fit-inside', 'after-fit', 'cancel-epoch',
+                                                  'cancel-valid', 'retry', 'fallback', 'gan'])
+p.add_argument('--no-resume', action='store_true', help='stock fastai: the package never imported')
+a = p.parse_args()
+
+def noise(t): return t + 0.01*torch.randn(t.shape)  # an item transform that draws from torch's stream
+set_seed(5, reproducible=True)
+x = torch.randn(96, 1)
+items = [(x[i], 2*x[i]+1) for i in range(96)]
+dls = DataLoaders.from_dsets(items[:72], items[72:], bs=8, after_item=[noise], num_workers=0, device='cpu')
+test_dl = dls.test_dl(items[72:], with_labels=True)
+
+def say(what):
+    "Say where the script is, and slow down there when the test kills it, so that a kill can land in that window"
+    print(what, flush=True)
+    if os.environ.get('KILLRERUN_SLEEP'): time.sleep(4*float(os.environ['KILLRERUN_SLEEP']))
+
+class Windows(Callback):
+    "Say `VALID` at each epoch's first validation batch"
+    def after_batch(self):
+        if not self.training and self.iter == 0: say('VALID')
+
+class Nested(Callback):
+    "Call the Learner inside `after_epoch`, as the shape says"
+    def after_epoch(self):
+        learn = self.learn  # `removed_cbs` takes it from the callback
+        if a.shape == 'one-batch': learn.one_batch(0, self.dls.valid.one_batch())
+        else:
+            with learn.removed_cbs(self):  # `validate` and `get_preds` send `after_epoch` too: without it, this again
+                if a.shape == 'validate': learn.validate()
+                elif a.shape == 'get-preds': learn.scores = learn.get_preds(dl=test_dl)[0].sum()
+                else: learn.fit(1, 1e-3)
+        say('NESTED')  # the call inside the event is over; the event is not
+
+class DrawsAtEnd(Callback):
+    "Predict on the shuffled, augmented training loader at the end of each fit call: its order and its items draw"
+    def after_fit(self):
+        learn = self.learn
+        with learn.removed_cbs(self): learn.get_preds(dl=learn.dls.train.new(shuffle=True))
+        say('NESTED')
+
+class CancelAfter5(Callback):
+    def after_batch(self):
+        if self.training and self.iter == 4: raise CancelEpochException()
+
+class EvenValidation(Callback):
+    "Validate on even epochs only; scale the loss by the batch's number (a callback acting on `learn.iter`)"
+    def after_loss(self):
+        if self.training: self.learn.loss_grad = self.learn.loss_grad * (1 + self.iter/10)
+    def after_train(self):
+        if self.epoch % 2: raise CancelEpochException()
+
+class Flaky(Callback):
+    "A transient error at the 14th batch, once in the folder (a flaky disk, a lost connection)"
+    def after_batch(self):
+        if self.training and self.train_iter == 14 and not Path('raised').exists():
+            Path('raised').touch()
+            raise RuntimeError('transient')
+
+class NoCallback(Callback): pass
+
+cbs = {'gan': NoCallback, 'one-batch': Nested, 'get-preds': Nested, 'validate': Nested, 'fit-inside': Nested, 'after-fit': DrawsAtEnd,
+       'cancel-epoch': CancelAfter5, 'cancel-valid': EvenValidation, 'retry': Flaky, 'fallback': Flaky}[a.shape]
+if not a.no_resume: from resumable_train.autoresume import AutoResume
+ar = [] if a.no_resume else [AutoResume(every_iter=3, verbose=False)]
+if a.shape == 'gan':
+    from fastai.vision.gan import GANLearner, basic_generator, basic_critic
+    noise,images = torch.randn(80, 16),torch.rand(80, 3, 16, 16)*2 - 1
+    dls = DataLoaders.from_dsets(list(zip(noise[:64], images[:64])), list(zip(noise[64:], images[64:])), bs=8, device='cpu')
+    learn = GANLearner.wgan(dls, basic_generator(16, 3, 16), basic_critic(16, 3), opt_func=partial(Adam, mom=0.), path='.',
+                            cbs=[Report(), Windows(), *ar])
+else:
+    model = nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    learn = Learner(dls, model, loss_func=lambda p,y: F.mse_loss(p.view(-1), y.view(-1)), cbs=[Report(), Windows(), cbs(), *ar],
+                    path='.', lr=1e-2)
+with learn.no_bar():
+    if a.shape == 'gan': learn.fit(3, 2e-4, wd=0.)
+    elif a.shape in ('retry', 'fallback'):
+        try: learn.fit_one_cycle(4)
+        except RuntimeError as e:
+            print('RAISED', e, flush=True)
+            if a.shape == 'retry': learn.fit_one_cycle(4)
+            else: learn.fit_one_cycle(2, 1e-3)
+    else:
+        learn.fit_one_cycle(4 if a.shape != 'after-fit' else 2)
+        if a.shape == 'after-fit': learn.fit(2, 1e-3)
+save_result(learn, a.out)
+print('DONE', flush=True)
