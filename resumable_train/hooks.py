@@ -204,8 +204,9 @@ def _with_events(self:Learner, f, event_type, ex, final=noop):
     if event_type == 'epoch':
         if self.epoch < rs.start_epoch: return  # before the start's epoch
         rs.epoch = self.epoch
-        # the first epoch of a resumed call: the Learner's attributes as a fit inside an event left them (`n_epoch`)
-        if rs.attrs: [setattr(self, k, v) for k,v in rs.attrs.items()]; rs.attrs = {}
+        if rs.attrs:  # the first epoch of a resumed call: the Learner's attributes as a fit inside an event left them
+            for k,v in rs.attrs.items(): setattr(self, k, v)
+            rs.attrs = {}
     if event_type not in ('train', 'validate'): return stock(self, f, event_type, ex, final)
     rs.phase = event_type
     # however the phase ends (a `CancelEpochException` skips `after_train`): the next numbers its batches from 0
