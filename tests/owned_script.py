@@ -11,6 +11,8 @@ callback makes inside an event, and `VALID` at each epoch's first validation bat
 - `cancel-valid`: validation on even epochs only (`CancelEpochException` in `after_train`), and a callback that acts on `learn.iter`;
 - `retry`: a transient `RuntimeError` at the 14th batch (once per folder), caught by the script, which calls `fit_one_cycle(4)` again;
 - `fallback`: the same error, and the script falls back to `fit_one_cycle(2, 1e-3)`;
+- `tensorboard`: fastai's `TensorBoardCallback()` and `AutoResume()` with their defaults (the model traced; `log_preds`: `one_batch` and
+  `show_results` inside `after_epoch`) on an image `DataBlock` of random 16x16 images, `fit_one_cycle(3)` of 6 batches an epoch;
 - `gan`: fastai's `GANLearner.wgan` (its `GANTrainer` switches generator and critic with `FixedGANSwitcher`) on random 16x16
   images, `fit(3)` of 8 batches an epoch.
 """
@@ -25,7 +27,7 @@ from killrerun import Report, save_result
 p = argparse.ArgumentParser()
 p.add_argument('out')
 p.add_argument('--shape', required=True, choices=['one-batch', 'get-preds', 'validate', 'fit-inside', 'after-fit', 'cancel-epoch',
-                                                  'cancel-valid', 'retry', 'fallback', 'gan'])
+                                                  'cancel-valid', 'retry', 'fallback', 'gan', 'tensorboard'])
 p.add_argument('--no-resume', action='store_true', help='stock fastai: the package never imported')
 a = p.parse_args()
 
@@ -85,22 +87,36 @@ class Flaky(Callback):
 
 class NoCallback(Callback): pass
 
-cbs = {'gan': NoCallback, 'one-batch': Nested, 'get-preds': Nested, 'validate': Nested, 'fit-inside': Nested, 'after-fit': DrawsAtEnd,
+cbs = {'gan': NoCallback, 'tensorboard': NoCallback, 'one-batch': Nested, 'get-preds': Nested, 'validate': Nested, 'fit-inside': Nested, 'after-fit': DrawsAtEnd,
        'cancel-epoch': CancelAfter5, 'cancel-valid': EvenValidation, 'retry': Flaky, 'fallback': Flaky}[a.shape]
 if not a.no_resume: from resumable_train.autoresume import AutoResume
-ar = [] if a.no_resume else [AutoResume(every_iter=3, verbose=False)]
+# `tensorboard`: the default AutoResume() too (a resume point at each epoch's end only, after `log_preds`'s batch)
+ar = [] if a.no_resume else [AutoResume(every_iter=None if a.shape == 'tensorboard' else 3, verbose=False)]
 if a.shape == 'gan':
     from fastai.vision.gan import GANLearner, basic_generator, basic_critic
     noise,images = torch.randn(80, 16),torch.rand(80, 3, 16, 16)*2 - 1
     dls = DataLoaders.from_dsets(list(zip(noise[:64], images[:64])), list(zip(noise[64:], images[64:])), bs=8, device='cpu')
     learn = GANLearner.wgan(dls, basic_generator(16, 3, 16), basic_critic(16, 3), opt_func=partial(Adam, mom=0.), path='.',
                             cbs=[Report(), Windows(), *ar])
+elif a.shape == 'tensorboard':
+    import matplotlib; matplotlib.use('Agg')
+    from PIL import Image
+    from fastai.vision.all import ImageDataLoaders, Resize, CrossEntropyLossFlat
+    from fastai.callback.tensorboard import TensorBoardCallback
+    pixels = torch.randint(0, 256, (64, 16, 16, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    for i,p in enumerate(pixels):  # 32 images a class, made once in the run's folder
+        f = Path('images')/'ab'[i % 2]/f'{i:02d}.png'
+        if not f.exists(): f.parent.mkdir(parents=True, exist_ok=True); Image.fromarray(p.numpy()).save(f)
+    dls = ImageDataLoaders.from_folder('images', valid_pct=0.25, seed=0, bs=8, item_tfms=Resize(16), num_workers=0, device='cpu')
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), path='.', cbs=[Report(), Windows(), TensorBoardCallback(), *ar])
 else:
     model = nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
     learn = Learner(dls, model, loss_func=lambda p,y: F.mse_loss(p.view(-1), y.view(-1)), cbs=[Report(), Windows(), cbs(), *ar],
                     path='.', lr=1e-2)
 with learn.no_bar():
     if a.shape == 'gan': learn.fit(3, 2e-4, wd=0.)
+    elif a.shape == 'tensorboard': learn.fit_one_cycle(3, 1e-2)
     elif a.shape in ('retry', 'fallback'):
         try: learn.fit_one_cycle(4)
         except RuntimeError as e:

@@ -1,7 +1,7 @@
 """The run owned by its outermost `fit`, not inferred from the last event (issue 48): callbacks that call the Learner inside an
-event (`one_batch`, `validate`, `get_preds`, `fit`), that draw in `after_fit`, that cancel epochs or phases, a fit call retried or
-replaced after a caught exception, a folder whose every resume point is damaged, `WorkerStreams()` alone, handlers set on an
-instance of the package's callbacks.
+event (`one_batch`, `validate`, `get_preds`, `fit`; fastai's `TensorBoardCallback()` with its defaults on images), that draw in
+`after_fit`, that cancel epochs or phases, fastai's GAN trainer, a fit call retried or replaced after a caught exception, a folder
+whose every resume point is damaged, `WorkerStreams()` alone.
 
 Each shape of `owned_script.py` runs uninterrupted with `AutoResume` and in a process that never imports the package: the same
 bits, the same steps; killed where the shape is fragile (inside the call a callback makes in an event, in validation, inside an
@@ -20,7 +20,7 @@ SLOW = {'KILLRERUN_SLEEP': '0.05'}  # time for a kill to land in the window the 
 @pytest.fixture(scope='module')
 def forker():
     "The session's forker (fastai imported once), with fastai's GAN module too: the `gan` shape's runs import it no more"
-    return Forker(('fastai.basics', 'fastai.callback.all', 'resumable_train.all', 'fastai.vision.gan'))
+    return Forker(('fastai.basics', 'fastai.callback.all', 'resumable_train.all', 'fastai.vision.all', 'fastai.callback.tensorboard'))
 
 def nth(word:str, n:int):
     "The `n`-th line that is `word`, for `run_until(until=...)`"
@@ -67,14 +67,14 @@ def finish(forker, tmp_path, shape, ref, fits=True):
 KILLS = {'one-batch': dict(until=nth('NESTED', 2)), 'get-preds': dict(until=nth('NESTED', 2)),
          'validate': dict(until=nth('VALID', 3)), 'fit-inside': dict(until=nth('NESTED', 2)),
          'after-fit': dict(stop_after=21), 'cancel-epoch': dict(stop_after=7), 'cancel-valid': dict(stop_after=21),
-         'gan': dict(stop_after=13)}
+         'gan': dict(stop_after=13), 'tensorboard': dict(until=nth('VALID', 3))}
 
 @pytest.mark.parametrize('shape', KILLS)
 def test_shape_killed_and_rerun(forker, stock, tmp_path, shape):
     "Stock-equal uninterrupted; killed where the shape is fragile and rerun: the uninterrupted run's bits; a rerun trains nothing"
     ref = reference(forker, stock, tmp_path, shape)
     # 4 epochs of 9 batches (`after-fit`: 2 + 2), 5 of them in `cancel-epoch`, and 9 more after each in `fit-inside`; `gan`: 3 of 8
-    assert len(ref) == {'cancel-epoch': 20, 'fit-inside': 72, 'gan': 24}.get(shape, 36), f"{len(ref)} batches trained"
+    assert len(ref) == {'cancel-epoch': 20, 'fit-inside': 72, 'gan': 24, 'tensorboard': 18}.get(shape, 36), f"{len(ref)} batches"
     rc,lines = killed(forker, tmp_path, shape, **KILLS[shape])
     assert rc == -signal.SIGKILL, f"meant to be killed, exited {rc}:\n{''.join(lines[-30:])}"
     finish(forker, tmp_path, shape, ref)
