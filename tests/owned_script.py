@@ -87,7 +87,8 @@ class Flaky(Callback):
 
 class NoCallback(Callback): pass
 
-cbs = {'gan': NoCallback, 'tensorboard': NoCallback, 'one-batch': Nested, 'get-preds': Nested, 'validate': Nested, 'fit-inside': Nested, 'after-fit': DrawsAtEnd,
+cbs = {'gan': NoCallback, 'tensorboard': NoCallback, 'one-batch': Nested, 'get-preds': Nested, 'validate': Nested, 'fit-inside': Nested,
+       'after-fit': DrawsAtEnd,
        'cancel-epoch': CancelAfter5, 'cancel-valid': EvenValidation, 'retry': Flaky, 'fallback': Flaky}[a.shape]
 if not a.no_resume: from resumable_train.autoresume import AutoResume
 # `tensorboard`: the default AutoResume() too (a resume point at each epoch's end only, after `log_preds`'s batch)
