@@ -324,6 +324,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                        'resumable_train.files._columns': ('files.html#_columns', 'resumable_train/files.py'),
                                        'resumable_train.files._compact': ('files.html#_compact', 'resumable_train/files.py'),
                                        'resumable_train.files._compressed': ('files.html#_compressed', 'resumable_train/files.py'),
+                                       'resumable_train.files._counted_loosely': ( 'files.html#_counted_loosely',
+                                                                                   'resumable_train/files.py'),
                                        'resumable_train.files._damage': ('files.html#_damage', 'resumable_train/files.py'),
                                        'resumable_train.files._dl_rng': ('files.html#_dl_rng', 'resumable_train/files.py'),
                                        'resumable_train.files._epoch_rng': ('files.html#_epoch_rng', 'resumable_train/files.py'),

@@ -286,7 +286,7 @@ class AutoResume(LeanCallback):
                   f"{self.stop_note}, run the same command again to continue", own_line=True)
         self._exit()
 
-    def left_fit(self, raised:bool=False): # an exception ended it: the call is over, and the next starts afresh
+    def left_fit(self, raised:bool=False): # an exception ended it (the same code's next call starts afresh: `FitCalls`)
         "`Learner.fit` ended, whatever the way: put the handlers back and finish the write in flight"
         if self.state == 'idle': return
         if raised and self.state == 'training': self.fit_calls.raised = True

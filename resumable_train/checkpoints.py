@@ -80,10 +80,10 @@ def _newest_rank(file, state, fname)->tuple:
 def _all_damaged(store, fname, damaged:list)->CheckpointError:
     folder = getattr(store, 'folder', store.url)
     return CheckpointError(
-        f"AutoResume: {folder} holds {len(damaged)} resume point{'s'*(len(damaged) != 1)} of the run {fname!r}, and none "
-        f"is valid ({'; '.join(damaged)}), so the run cannot continue from them. Put back an undamaged copy of one; "
-        f"or, to start fresh, run `resumable-train clean {folder} --fname {fname}` (it removes the run's files) or give "
-        "AutoResume another fname")
+        f"AutoResume: {folder} holds {len(damaged)} resume point{'s'*(len(damaged) != 1)} of the run {fname!r}, "
+        f"and none is valid ({'; '.join(damaged)}), so the run cannot continue from them. Put back an undamaged copy "
+        f"of one; or, to start fresh, run `resumable-train clean {folder} --fname {fname}` (it removes the run's "
+        "files) or give AutoResume another fname")
 
 def scan_run(store, # where the run's resume points live (on this node)
              fname:str, # the name `AutoResume` was given
@@ -97,9 +97,9 @@ def scan_run(store, # where the run's resume points live (on this node)
             if not rank_distrib(): store.lock(fname, wait)
             damaged = []
             file,state = newest_valid(store, fname, damaged)
-            for wrong in (damaged if file is not None else []): warnings.warn(f"{wrong}; skipping it")
             # the run's points, none of them valid: nothing to continue from, and no ground to start afresh
             if file is None and damaged: raise _all_damaged(store, fname, damaged)
+            for wrong in damaged: warnings.warn(f"{wrong}; skipping it")
             top = max([checkpoint_number(e.name, fname) for e in entries(store, fname)] + [0])
         except Exception as e: err = e  # every rank learns of it below
     if not group:

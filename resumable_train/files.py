@@ -192,14 +192,18 @@ def _no_expansion(o, field):
     elif isinstance(o, (list, tuple)):
         for i,v in enumerate(o): _no_expansion(v, f"{field}[{i}]")
 
+def _counted_loosely(r)->bool:
+    ("Does the record count its batches other than its setup says: a stream whose `len()` is a hint (its epochs may "
+     "hold more batches or fewer), or a fit inside an event (the Learner counts on from that fit's `train_iter` and "
+     "`pct_train`, as fastai's does)?")
+    return bool((r.get('setup') or {}).get('len_estimate') or r.get('inner_fits'))
+
 def _position(r):
     "Check the position (`epoch`, `iter`, `train_iter`, `pct_train`) of a resume point against its setup"
     s = _setup(r.get('setup'))
     n_epoch,n_iter = s['n_epoch'],s['n_iter']
     ep = _int(r.get('epoch'), 'epoch', 0, n_epoch)
-    # a stream's `len()` is a hint: its epochs may hold more batches or fewer; after a fit inside an event, the
-    # Learner counts on from that fit's `train_iter` and `pct_train`, as fastai's does
-    if s.get('len_estimate') or r.get('inner_fits'):
+    if _counted_loosely(r):
         it = _int(r.get('iter'), 'iter', 0)
         _int(r.get('train_iter'), 'train_iter', 0 if r.get('inner_fits') else it)
         if 'inner_fits' in r: _int(r['inner_fits'], 'inner_fits', 1)
@@ -265,7 +269,7 @@ def _history(r):
         if k in rec: _of(rec[k], f'callbacks.recorder.{k}', list)
     for i,row in enumerate(rec.get('values', [])):
         for j,v in enumerate(_of(row, f'callbacks.recorder.values[{i}]', list, tuple)):
-            # a string too: an epoch's time, where a callback validated inside `after_epoch` (fastai records its log then)
+            # a string too: an epoch's time, where a callback validated inside `after_epoch` (fastai logs it then)
             if not (v is None or _is_num(v) or isinstance(v, (torch.Tensor, str))):
                 _fail(f'callbacks.recorder.values[{i}][{j}]', f"is {v!r}, not a number")
 
@@ -280,7 +284,7 @@ def check_record(r:dict,
         if 'setup' in r: _setup(r['setup'])
         if 'train_iter' in r: _int(r['train_iter'], 'train_iter', 0)
         # past 1 where a stream's epochs held more batches than its `len()` said
-        hi = math.inf if (r.get('setup') or {}).get('len_estimate') or r.get('inner_fits') else 1 + 1e-9
+        hi = math.inf if _counted_loosely(r) else 1 + 1e-9
         if 'pct_train' in r and not (_is_num(r['pct_train']) and 0 <= r['pct_train'] <= hi):
             _fail('pct_train', f"is {r['pct_train']!r}, not a number in [0, {hi:.0f}]")
     if 'hypers' in r:

@@ -155,7 +155,7 @@ class ResumeState:
         "A fit call of the run starts"
         self.fitting,self.schedule,self.event,self.epoch,self.iter,self.phase = True,schedule,None,0,0,None
         self.n_epoch,self.inner_fits,self.attrs = n_epoch,0,{}
-        self.sent = (), {}, []  # sorted again: a handler set on a callback since the last fit (`cb.after_batch = f`) is sent
+        self.sent = (), {}, []  # sorted again: a handler set on a callback since the last fit (`cb.after_batch = f`)
     @property
     def nested(self)->bool: return self.depth > 1  # in a callback: the event was sent by a call inside another event
     def end(self):
