@@ -885,6 +885,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                        'resumable_train.state._torch_generators': ( 'state.html#_torch_generators',
                                                                                     'resumable_train/state.py'),
                                        'resumable_train.state._tracker_state': ('state.html#_tracker_state', 'resumable_train/state.py'),
+                                       'resumable_train.state._train_mets': ('state.html#_train_mets', 'resumable_train/state.py'),
                                        'resumable_train.state._unpacked': ('state.html#_unpacked', 'resumable_train/state.py'),
                                        'resumable_train.state._vars_state': ('state.html#_vars_state', 'resumable_train/state.py'),
                                        'resumable_train.state.callback_keys': ('state.html#callback_keys', 'resumable_train/state.py'),

@@ -229,17 +229,21 @@ def _unpacked(o, k, packed)->list:
     _history(o, k).reset(xs, packed if isinstance(packed, dict) else None)
     return xs
 
+def _train_mets(r):
+    "The Recorder's smoothed loss and training metrics (its `_train_mets` is empty in an epoch whose training was cancelled)"
+    return L(r.smooth_loss) + (r.metrics if r.train_metrics else L())
+
 def _recorder_state(r):
     "History, smoothed loss and running training metrics"
     sd = _vars_state(r, ('iters','values'))
     for k in _HISTORIES:  # one tensor each, grown by the batches since the last save: saves stay cheap in long runs
         if k in vars(r): sd[k] = _history(r, k).pack(vars(r)[k])
-    return dict(sd, metrics=[metric_state(m) for m in r._train_mets])
+    return dict(sd, metrics=[metric_state(m) for m in _train_mets(r)])
 
 def _set_recorder_state(r, sd):
     _set_vars(r, {k:list(sd[k]) for k in ('iters','values')})
     for k in _HISTORIES: setattr(r, k, _unpacked(r, k, sd[k]))
-    for m,s in zip(r._train_mets, sd['metrics']): set_metric_state(m, s)
+    for m,s in zip(_train_mets(r), sd['metrics']): set_metric_state(m, s)
     if r.smooth_loss.count: r.learn.smooth_loss = r.smooth_loss.value
 
 register_state('fastai.learner.Recorder', _recorder_state, _set_recorder_state)

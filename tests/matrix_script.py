@@ -1,0 +1,75 @@
+"""Each callback fastai ships, with its defaults, on the data it is meant for (issue 48's matrix): `python matrix_script.py OUT
+--cb CB [--no-resume]`.
+
+A small classifier of random 3x8x8 images (two classes, 9 training batches and 3 validation batches an epoch) is trained with
+`fit_one_cycle(4)` and the callback `CB`, with `AutoResume(every_iter=3)` unless `--no-resume` (stock fastai: the package never
+imported). Lines for a test to kill the script at: `VALID` at each epoch's first validation batch, `END` once every callback's
+`after_epoch` ran, `NESTED` after a call a callback makes inside an event (`mcdropout`: `get_preds` with `MCDropoutCallback` in
+`after_epoch`, as a user scores uncertainty each epoch). The result (`save_result`) holds, beside the weights, the optimizer and the
+`Recorder`: the random streams at the end, and every plain attribute (numbers, strings, tensors) of each fastai callback.
+"""
+import argparse, os, random, time
+import numpy as np, torch
+from torch import nn
+from fastai.basics import *
+from fastai.callback.all import *
+from killrerun import Report, plain, save_result
+
+CBS = {'csv': lambda: CSVLogger(), 'graph': lambda: ShowGraphCallback(), 'stats': lambda: ActivationStats(),
+       'save': lambda: SaveModelCallback(), 'early': lambda: EarlyStoppingCallback(),
+       'plateau': lambda: ReduceLROnPlateau(), 'nan': lambda: TerminateOnNaNCallback(), 'accum': lambda: GradientAccumulation(),
+       'clip': lambda: GradientClip(), 'bnfreeze': lambda: BnFreeze(), 'mixup': lambda: MixUp(), 'cutmix': lambda: CutMix(),
+       'channels': lambda: ChannelsLast(), 'short': lambda: ShortEpochCallback(), 'mcdropout': None}
+p = argparse.ArgumentParser()
+p.add_argument('out')
+p.add_argument('--cb', required=True, choices=list(CBS))
+p.add_argument('--no-resume', action='store_true', help='stock fastai: the package never imported')
+a = p.parse_args()
+
+def say(what):
+    "Say where the script is, and slow down there when the test kills it, so that a kill can land in that window"
+    print(what, flush=True)
+    if os.environ.get('KILLRERUN_SLEEP'): time.sleep(4*float(os.environ['KILLRERUN_SLEEP']))
+
+class Windows(Callback):
+    "Say `VALID` at each epoch's first validation batch, and `END` after every callback's `after_epoch`"
+    order = 10_000
+    def after_batch(self):
+        if not self.training and self.iter == 0: say('VALID')
+    def after_epoch(self): say('END')
+
+class Uncertainty(Callback):
+    "Score the validation set with dropout on (`MCDropoutCallback`) at each epoch's end"
+    def after_epoch(self):
+        learn = self.learn
+        with learn.removed_cbs(self): learn.scores = learn.get_preds(dl=learn.dls.valid, cbs=MCDropoutCallback())[0].sum()
+        say('NESTED')
+
+set_seed(7, reproducible=True)
+x = torch.randn(96, 3, 8, 8)
+items = [(x[i], int(x[i, 0].mean() > 0)) for i in range(96)]
+dls = DataLoaders.from_dsets(items[:72], items[72:], bs=8, num_workers=0, device='cpu')
+model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.3),
+                      nn.Linear(8, 2))
+if a.cb == 'bnfreeze': model[1].requires_grad_(False)  # a frozen body's BatchNorm, whose statistics BnFreeze keeps
+cb = Uncertainty() if a.cb == 'mcdropout' else CBS[a.cb]()
+ar = []
+if not a.no_resume:
+    from resumable_train.autoresume import AutoResume
+    ar = [AutoResume(every_iter=3, verbose=False)]
+learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, path='.', cbs=[Report(), Windows(), cb, *ar])
+if a.cb == 'graph':  # it draws on the progress bar, which prints nothing here: `Report`'s lines stay whole
+    import fastprogress.fastprogress as fp
+    fp.printing = lambda: False
+    learn.fit_one_cycle(4, 1e-2)
+else:
+    with learn.no_bar(): learn.fit_one_cycle(4, 1e-2)
+save_result(learn, a.out)
+# the random streams, and the fastai callbacks' plain attributes, beside `save_result`'s
+r = torch.load(a.out, weights_only=True)
+r['streams'] = [torch.get_rng_state(), torch.tensor(random.getstate()[1]), torch.from_numpy(np.random.get_state()[1].astype(np.int64))]
+def attrs(c):  # but the `Recorder`'s wall-clock time
+    return plain({k: v for k,v in vars(c).items() if isinstance(v, (int, float, str, bool, torch.Tensor)) and k != 'start_epoch'})
+r['cbs'] = {type(c).__name__: attrs(c) for c in learn.cbs if type(c).__module__.startswith('fastai.')}
+torch.save(r, a.out)
+print('DONE', flush=True)
