@@ -194,8 +194,8 @@ def _no_expansion(o, field):
 
 def _counted_loosely(r)->bool:
     ("Does the record count its batches other than its setup says: a stream whose `len()` is a hint (its epochs may "
-     "hold more batches or fewer), or a fit inside an event (the Learner counts on from that fit's `train_iter` and "
-     "`pct_train`, as fastai's does)?")
+     "hold more batches or fewer), or a fit or a validation that is not `inner` inside an event (the Learner counts on "
+     "from the `train_iter` and `pct_train` its `before_fit` reset, as fastai's does)?")
     return bool((r.get('setup') or {}).get('len_estimate') or r.get('inner_fits'))
 
 def _position(r):
@@ -303,6 +303,7 @@ def check_record(r:dict,
     for i,g in enumerate(_of(r.get('grads', []), 'grads', list, tuple)):
         if not (g is None or isinstance(g, torch.Tensor) and g.is_floating_point() or is_int(g) and g == 0):
             _fail(f'grads[{i}]', f"is {g!r}, not a gradient")
+    if r.get('loss') is not None: _tensor(r['loss'], 'loss')
     for k in ('meta', 'plan'): _of(r.get(k, {}), k, dict)
     if 'fit_index' in r: _fit_ledger(r)
 

@@ -112,8 +112,9 @@ class ResumeState:
         # where the fit call's own loop is: its epoch, its batch (counted from the epoch's start), its phase ('train',
         # 'validate' or `None`); told by the outermost loop alone, never by a call inside an event
         self.epoch,self.iter,self.phase = 0,0,None
-        # the running fit call's `n_epoch` (a fit inside an event sets the Learner's); how many fits its callbacks made
-        # inside its events, whose `n_epoch` the Learner keeps (as fastai's does) until `attrs` put it back on a resume
+        # the running fit call's `n_epoch` (a fit inside an event sets the Learner's); how many fits (or validations that
+        # send `before_fit`) its callbacks made inside its events, whose `n_epoch` and counters the Learner keeps (as
+        # fastai's does; `attrs` put `n_epoch` back on a resume)
         self.n_epoch,self.inner_fits,self.attrs = 0,0,{}
         # the fit method the user called; `start_epoch`, `start_iter` it passed
         self.call,self.start = None,(0, 0, 'fit')
@@ -230,6 +231,8 @@ def _call_one(self:Learner, event_name):
     rs = self.resume
     depth = rs.depth
     if rs.fitting and not depth: rs.note(event_name)  # the fit call's own event, before any callback sees it
+    # a `fit` inside an event, or a `validate`/`get_preds` not `inner`: fastai's `TrainEvalCallback` counts from 0 again
+    elif depth and event_name == 'before_fit' and rs.fitting: rs.inner_fits += 1
     rs.depth = depth+1
     try:
         for cb in rs.callbacks(self.cbs, event_name, depth > 0): cb(event_name)

@@ -212,8 +212,7 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
        ):
     "Fit `self.model` for `n_epoch`, from the loaded resume point or from batch `start_iter` of epoch `start_epoch`"
     # called inside an event (a callback's `fit` with `removed_cbs`, `lr_find`): fastai's own, not a fit call of the run
-    if self.resume.depth:
-        self.resume.inner_fits += 1
+    if self.resume.depth:  # (`ResumeState.inner_fits` counts it at its `before_fit`)
         return _stock_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=start_epoch)
     se,si,schedule = self.resume.take_start()
     if not (start_epoch or start_iter): start_epoch,start_iter = se,si

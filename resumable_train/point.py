@@ -137,6 +137,14 @@ def _inner_fits(learn)->dict:
     if not rs.inner_fits: return {}
     return dict(inner_fits=rs.inner_fits, **({'learner_n_epoch': learn.n_epoch} if learn.n_epoch != rs.n_epoch else {}))
 
+def _last_loss(learn):
+    "The last batch's loss, which fastai's smoothed loss takes again at a batch cancelled before its own (`None`: none yet)"
+    loss = getattr(learn, 'loss', None)
+    return loss.detach().cpu().as_subclass(torch.Tensor).clone() if isinstance(loss, torch.Tensor) else None
+
+def _put_loss(learn, rec):
+    if rec.get('loss') is not None: learn.loss = rec['loss'].to(getattr(learn.dls, 'device', None) or 'cpu')
+
 def capture(learn)->ResumePoint|None:
     "The state of `learn`'s running `fit` at this batch boundary (or at its end), or `None` outside `fit`"
     rs = learn.resume
@@ -157,7 +165,7 @@ def capture(learn)->ResumePoint|None:
         rng=rng_state(), loaders=loaders, modules=module_states(learn.model),  # plain already:
         epoch_rng=None if er is None else {k:v for k,v in er.items() if k != 'loader'},
         callbacks=callback_states(learn),
-        metric_names=_value_names(learn), plan=fit_plan_once(learn),
+        metric_names=_value_names(learn), plan=fit_plan_once(learn), loss=_last_loss(learn),
         grads=_grad_states(learn)))  # walked once more, these would cost more than the rest of the snapshot
 
 
@@ -179,6 +187,7 @@ def restore(learn, point:ResumePoint):
     asked = asked_hypers(rec.get('plan'), learn.resume.asked)  # what the user changed since: applied
     for k in rec['hypers'][0]: learn.opt.set_hyper(k, [asked.get((g,k), h[k]) for g,h in enumerate(rec['hypers'])])
     restore_grads(learn, rec)
+    _put_loss(learn, rec)
     if not rec['iter']: restore_streams(learn, rec, fresh=point.fresh)
     else: load_loader_states(learn, rec['loaders'])
     learn.pct_train,learn.train_iter = rec['pct_train'],rec['train_iter']
@@ -209,6 +218,7 @@ def restore_end(learn, point:ResumePoint,
      "states, streams, position and the modules' modes (the next fit call starts from them: `AutoResume`)")
     rec = point.rec
     if not rested: restore_grads(learn, rec)
+    _put_loss(learn, rec)
     restore_streams(learn, rec, dls=not rested, fresh=point.fresh, rng=not rested)
     learn.train_iter,learn.pct_train = rec['train_iter'],rec['pct_train']
     if 'learner_n_epoch' in rec: learn.n_epoch = rec['learner_n_epoch']  # as a fit inside an event left it

@@ -117,7 +117,7 @@ class SkipToIter(LeanCallback):
 
     def before_train(self):
         rs = self.learn.resume
-        if self.epoch != rs.start_epoch or not rs.start_iter:
+        if rs.epoch != rs.start_epoch or not rs.start_iter:  # the loop's epoch (a `validate` inside an event sets 0)
             rs.epoch_rng = epoch_streams(self.learn)
             # the stream draws from its own random streams in every epoch, so that a replay of this one sees them
             if replayed(self.dl): self.learn.dl = Resumed(loader_of(self.dl), 0, 'replay')

@@ -9,6 +9,7 @@ imported). Lines for a test to kill the script at: `VALID` at each epoch's first
 `Recorder`: the random streams at the end, and every plain attribute (numbers, strings, tensors) of each fastai callback.
 """
 import argparse, os, random, time
+from functools import partialmethod
 import numpy as np, torch
 from torch import nn
 from fastai.basics import *
@@ -19,7 +20,8 @@ CBS = {'csv': lambda: CSVLogger(), 'graph': lambda: ShowGraphCallback(), 'stats'
        'save': lambda: SaveModelCallback(), 'early': lambda: EarlyStoppingCallback(),
        'plateau': lambda: ReduceLROnPlateau(), 'nan': lambda: TerminateOnNaNCallback(), 'accum': lambda: GradientAccumulation(),
        'clip': lambda: GradientClip(), 'bnfreeze': lambda: BnFreeze(), 'mixup': lambda: MixUp(), 'cutmix': lambda: CutMix(),
-       'channels': lambda: ChannelsLast(), 'short': lambda: ShortEpochCallback(), 'mcdropout': None}
+       'channels': lambda: ChannelsLast(), 'short': lambda: ShortEpochCallback(), 'mcdropout': None, 'cancels': None,
+       'cancel-fit': None}
 p = argparse.ArgumentParser()
 p.add_argument('out')
 p.add_argument('--cb', required=True, choices=list(CBS))
@@ -45,6 +47,32 @@ class Uncertainty(Callback):
         with learn.removed_cbs(self): learn.scores = learn.get_preds(dl=learn.dls.valid, cbs=MCDropoutCallback())[0].sum()
         say('NESTED')
 
+# `cancels`: each `Cancel*Exception` raised in each event where fastai's loop catches it, at `(epoch, iter)` (`None`: any);
+# validation's batches are told by `valid` (the event's phase); 12 epochs
+C = dict(batch=CancelBatchException, step=CancelStepException, backward=CancelBackwardException, train=CancelTrainException,
+         valid=CancelValidException, epoch=CancelEpochException, fit=CancelFitException)
+CANCELS = [(0, 1, 'after_pred', 'batch'), (0, 3, 'before_batch', 'train'), (0, None, 'before_validate', 'valid'),
+           (1, 2, 'before_backward', 'batch'), (1, 5, 'after_loss', 'train'), (1, 'valid1', 'after_pred', 'valid'),
+           (2, 4, 'before_step', 'step'), (2, 6, 'after_step', 'batch'), (2, None, 'after_train', 'epoch'),
+           (3, 1, 'before_backward', 'backward'), (3, 6, 'after_batch', 'train'), (3, 'valid0', 'after_batch', 'valid'),
+           (4, 3, 'after_backward', 'batch'), (4, 7, 'after_batch', 'epoch'),
+           (5, 5, 'before_step', 'train'), (5, None, 'before_validate', 'epoch'),
+           (6, None, 'before_epoch', 'epoch'), (7, None, 'before_train', 'train'), (7, 'valid2', 'after_loss', 'valid'),
+           (8, 0, 'after_loss', 'batch'), (8, 2, 'before_batch', 'batch'), (8, 4, 'after_backward', 'train'),
+           (8, None, 'after_validate', 'epoch'), (9, 2, 'after_pred', 'train'), (9, 'valid1', 'after_batch', 'epoch'),
+           (10, 3, 'before_step', 'batch'), (10, 7, 'after_step', 'train'), (10, 'valid1', 'before_batch', 'valid'),
+           (11, 4, 'before_backward', 'train'), (11, None, 'before_train', 'epoch')]
+
+class Cancels(Callback):
+    "Raise `CANCELS`'s exceptions where they say (`cancel-fit`: `CancelFitException` at batch 4 of epoch 2)"
+    def __init__(self, table): self.table = table
+    def _at(self, event):
+        it = getattr(self.learn, 'iter', None)  # at an epoch's or a phase's start: the last phase's (`None` in the table)
+        it = it if self.training else f"valid{it}"
+        for e,i,ev,k in self.table:
+            if ev == event and e == self.epoch and i in (None, it): raise C[k]()
+for _ev in {ev for *_,ev,_ in CANCELS} | {'after_batch'}: setattr(Cancels, _ev, partialmethod(Cancels._at, _ev))
+
 set_seed(7, reproducible=True)
 x = torch.randn(96, 3, 8, 8)
 items = [(x[i], int(x[i, 0].mean() > 0)) for i in range(96)]
@@ -52,7 +80,8 @@ dls = DataLoaders.from_dsets(items[:72], items[72:], bs=8, num_workers=0, device
 model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.3),
                       nn.Linear(8, 2))
 if a.cb == 'bnfreeze': model[1].requires_grad_(False)  # a frozen body's BatchNorm, whose statistics BnFreeze keeps
-cb = Uncertainty() if a.cb == 'mcdropout' else CBS[a.cb]()
+cb = (Uncertainty() if a.cb == 'mcdropout' else Cancels(CANCELS) if a.cb == 'cancels'
+      else Cancels([(2, 4, 'after_batch', 'fit')]) if a.cb == 'cancel-fit' else CBS[a.cb]())
 ar = []
 if not a.no_resume:
     from resumable_train.autoresume import AutoResume
@@ -63,7 +92,7 @@ if a.cb == 'graph':  # it draws on the progress bar, which prints nothing here: 
     fp.printing = lambda: False
     learn.fit_one_cycle(4, 1e-2)
 else:
-    with learn.no_bar(): learn.fit_one_cycle(4, 1e-2)
+    with learn.no_bar(): learn.fit_one_cycle(12 if a.cb == 'cancels' else 4, 1e-2)
 save_result(learn, a.out)
 # the random streams, and the fastai callbacks' plain attributes, beside `save_result`'s
 r = torch.load(a.out, weights_only=True)

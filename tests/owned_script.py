@@ -14,7 +14,10 @@ callback makes inside an event, and `VALID` at each epoch's first validation bat
 - `tensorboard`: fastai's `TensorBoardCallback()` and `AutoResume()` with their defaults (the model traced; `log_preds`: `one_batch` and
   `show_results` inside `after_epoch`) on an image `DataBlock` of random 16x16 images, `fit_one_cycle(3)` of 6 batches an epoch;
 - `gan`: fastai's `GANLearner.wgan` (its `GANTrainer` switches generator and critic with `FixedGANSwitcher`) on random 16x16
-  images, `fit(3)` of 8 batches an epoch.
+  images, `fit(3)` of 8 batches an epoch; `gan-adaptive`: the same with `AdaptiveGANSwitcher()`;
+- `events`: a callback calls the Learner inside many events: `validate` in `before_epoch`, `one_batch` in `after_train`,
+  `predict` in `before_validate`, `get_preds` with `MCDropoutCallback` in `after_validate` (a call inside a training batch
+  leaves fastai's loop in validation mode for the rest of the epoch: not a shape users write).
 """
 import argparse, os, time
 from pathlib import Path
@@ -27,7 +30,8 @@ from killrerun import Report, save_result
 p = argparse.ArgumentParser()
 p.add_argument('out')
 p.add_argument('--shape', required=True, choices=['one-batch', 'get-preds', 'validate', 'fit-inside', 'after-fit', 'cancel-epoch',
-                                                  'cancel-valid', 'retry', 'fallback', 'gan', 'tensorboard'])
+                                                  'cancel-valid', 'retry', 'fallback', 'gan', 'tensorboard',
+                                                  'gan-adaptive', 'events'])
 p.add_argument('--no-resume', action='store_true', help='stock fastai: the package never imported')
 a = p.parse_args()
 
@@ -60,6 +64,18 @@ class Nested(Callback):
                 else: learn.fit(1, 1e-3)
         say('NESTED')  # the call inside the event is over; the event is not
 
+class Everywhere(Callback):
+    "Call the Learner inside many events, itself removed"
+    def _nested(self, f):
+        learn = self.learn
+        with learn.removed_cbs(self): f(learn)
+        say('NESTED')
+    def before_epoch(self):
+        if self.epoch: self._nested(lambda l: l.validate())
+    def after_train(self): self._nested(lambda l: l.one_batch(0, l.dls.valid.one_batch()))
+    def before_validate(self): self._nested(lambda l: l.predict(items[80]))
+    def after_validate(self): self._nested(lambda l: l.get_preds(dl=test_dl, cbs=MCDropoutCallback()))
+
 class DrawsAtEnd(Callback):
     "Predict on the shuffled, augmented training loader at the end of each fit call: its order and its items draw"
     def after_fit(self):
@@ -87,18 +103,19 @@ class Flaky(Callback):
 
 class NoCallback(Callback): pass
 
-cbs = {'gan': NoCallback, 'tensorboard': NoCallback, 'one-batch': Nested, 'get-preds': Nested, 'validate': Nested, 'fit-inside': Nested,
+cbs = {'gan': NoCallback, 'gan-adaptive': NoCallback, 'tensorboard': NoCallback, 'events': Everywhere, 'one-batch': Nested, 'get-preds': Nested, 'validate': Nested, 'fit-inside': Nested,
        'after-fit': DrawsAtEnd,
        'cancel-epoch': CancelAfter5, 'cancel-valid': EvenValidation, 'retry': Flaky, 'fallback': Flaky}[a.shape]
 if not a.no_resume: from resumable_train.autoresume import AutoResume
 # `tensorboard`: the default AutoResume() too (a resume point at each epoch's end only, after `log_preds`'s batch)
 ar = [] if a.no_resume else [AutoResume(every_iter=None if a.shape == 'tensorboard' else 3, verbose=False)]
-if a.shape == 'gan':
-    from fastai.vision.gan import GANLearner, basic_generator, basic_critic
+if a.shape.startswith('gan'):
+    from fastai.vision.gan import GANLearner, basic_generator, basic_critic, AdaptiveGANSwitcher
     noise,images = torch.randn(80, 16),torch.rand(80, 3, 16, 16)*2 - 1
     dls = DataLoaders.from_dsets(list(zip(noise[:64], images[:64])), list(zip(noise[64:], images[64:])), bs=8, device='cpu')
+    switch = dict(switcher=AdaptiveGANSwitcher()) if a.shape == 'gan-adaptive' else {}
     learn = GANLearner.wgan(dls, basic_generator(16, 3, 16), basic_critic(16, 3), opt_func=partial(Adam, mom=0.), path='.',
-                            cbs=[Report(), Windows(), *ar])
+                            cbs=[Report(), Windows(), *ar], **switch)
 elif a.shape == 'tensorboard':
     import matplotlib; matplotlib.use('Agg')
     from PIL import Image
@@ -116,7 +133,7 @@ else:
     learn = Learner(dls, model, loss_func=lambda p,y: F.mse_loss(p.view(-1), y.view(-1)), cbs=[Report(), Windows(), cbs(), *ar],
                     path='.', lr=1e-2)
 with learn.no_bar():
-    if a.shape == 'gan': learn.fit(3, 2e-4, wd=0.)
+    if a.shape.startswith('gan'): learn.fit(3, 2e-4, wd=0.)
     elif a.shape == 'tensorboard': learn.fit_one_cycle(3, 1e-2)
     elif a.shape in ('retry', 'fallback'):
         try: learn.fit_one_cycle(4)

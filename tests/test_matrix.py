@@ -2,7 +2,9 @@
 `AutoResume(every_iter=3)`. Uninterrupted, the run is stock fastai's bit for bit (weights, optimizer, `Recorder`, steps, the random
 streams, each fastai callback's plain attributes). Killed in each window (inside an epoch, during validation, at an epoch's end,
 inside the call a callback makes in an event) and rerun, it ends with the uninterrupted run's bits; a rerun after the end trains
-nothing and writes nothing. fastai's `TensorBoardCallback`, GAN trainer and the text callbacks are in test_owned.py and test_text.py.
+nothing and writes nothing. Beside them, a user's callback raising each `Cancel*Exception` in each event where fastai's loop catches
+it (`cancels`), and `CancelFitException` inside an epoch (`cancel-fit`). fastai's `TensorBoardCallback`, GAN trainer and the text
+callbacks are in test_owned.py and test_text.py.
 """
 import signal
 import pytest
@@ -14,11 +16,20 @@ from test_owned import nth
 SCRIPT = str(TESTS/'matrix_script.py')
 KEYS = ('model', 'opt', 'values', 'losses', 'lrs', 'iters', 'streams', 'cbs')
 CBS = ['csv', 'graph', 'stats', 'save', 'early', 'plateau', 'nan', 'accum', 'clip', 'bnfreeze', 'mixup', 'cutmix', 'channels',
-       'short', 'mcdropout']
-# the windows: inside epoch 2 (its 5th batch; `short` trains 2 batches an epoch: epoch 2's 1st), in epoch 2's validation, after
-# epoch 2's end, and inside the `get_preds` a callback makes in epoch 2's `after_epoch`
-WINDOWS = {'inside': lambda cb: dict(stop_after=3 if cb == 'short' else 13), 'valid': lambda cb: dict(until=nth('VALID', 2)),
-           'end': lambda cb: dict(until=nth('END', 2)), 'nested': lambda cb: dict(until=nth('NESTED', 2))}
+       'short', 'mcdropout', 'cancels', 'cancel-fit']
+# the windows: inside epoch 2 (its 5th batch; `short` trains 2 batches an epoch: epoch 2's 1st; `cancels`: after each of several
+# batches, around its cancels), in epoch 2's validation, after epoch 2's end, and inside the `get_preds` a callback makes in epoch
+# 2's `after_epoch`
+def windows(cb)->dict:
+    "The windows `cb` is killed in, by name (each `nth` counts its own lines: new for each test)"
+    ws = dict(inside=dict(stop_after=13), valid=dict(until=nth('VALID', 2)), end=dict(until=nth('END', 2)))
+    if cb == 'mcdropout': ws['nested'] = dict(until=nth('NESTED', 2))
+    if cb == 'short': ws['inside'] = dict(stop_after=3)
+    if cb == 'cancels': ws.update({f'inside{n}': dict(stop_after=n) for n in (7, 22, 31, 40, 47)})
+    return ws
+# the batches each trains uninterrupted: 4 epochs of 9; `short`: 2 an epoch; `cancels`: 12 epochs, their cancels; `cancel-fit`: it
+# ends at epoch 2's 5th batch; `early`: when the valid loss stops improving
+N_BATCHES = {'short': 8, 'cancels': 50, 'cancel-fit': 23}
 
 @pytest.fixture(scope='module')
 def forker(): return Forker(('fastai.basics', 'fastai.callback.all', 'resumable_train.all'))
@@ -32,13 +43,11 @@ def test_callback_in_every_window(forker, stock, tmp_path, cb):
     assert rc == 0, f"stock fastai exited {rc}:\n{out[-3000:]}"
     d = compare(tmp_path/'stock.pth', tmp_path/'ref.pth', keys=(*KEYS, 'steps'))
     assert not d, f"AutoResume changed an uninterrupted run: {len(d)} differences from stock fastai, first:\n" + '\n'.join(d[:10])
-    assert len(ref) == {'short': 8, 'early': len(ref)}.get(cb, 36), f"{len(ref)} batches"
-    windows = [w for w in WINDOWS if w != 'nested' or cb == 'mcdropout']
-    for i,w in enumerate(windows):
+    assert len(ref) == N_BATCHES.get(cb, len(ref) if cb == 'early' else 36), f"{len(ref)} batches"
+    for i,(w,kill) in enumerate(windows(cb).items()):
         run = tmp_path/w
         run.mkdir()
-        rc,lines = run_until(forker, SCRIPT, [tmp_path/f'{w}.pth', '--cb', cb], env={'KILLRERUN_SLEEP': '0.05'}, cwd=run,
-                             **WINDOWS[w](cb))
+        rc,lines = run_until(forker, SCRIPT, [tmp_path/f'{w}.pth', '--cb', cb], env={'KILLRERUN_SLEEP': '0.05'}, cwd=run, **kill)
         assert rc == -signal.SIGKILL, f"{w}: meant to be killed, exited {rc}:\n{''.join(lines[-30:])}"
         trained = batches(run_to_end(forker, SCRIPT, [tmp_path/f'{w}.pth', '--cb', cb], cwd=run))
         assert trained == ref[len(ref)-len(trained):], f"{w}: the rerun trained {trained[:3]}..., not the run's rest"

@@ -67,14 +67,17 @@ def finish(forker, tmp_path, shape, ref, fits=True):
 KILLS = {'one-batch': dict(until=nth('NESTED', 2)), 'get-preds': dict(until=nth('NESTED', 2)),
          'validate': dict(until=nth('VALID', 3)), 'fit-inside': dict(until=nth('NESTED', 2)),
          'after-fit': dict(stop_after=21), 'cancel-epoch': dict(stop_after=7), 'cancel-valid': dict(stop_after=21),
-         'gan': dict(stop_after=13), 'tensorboard': dict(until=nth('VALID', 3))}
+         'gan': dict(stop_after=13), 'tensorboard': dict(until=nth('VALID', 3)), 'gan-adaptive': dict(stop_after=13),
+         'events': dict(until=nth('NESTED', 6))}
 
 @pytest.mark.parametrize('shape', KILLS)
 def test_shape_killed_and_rerun(forker, stock, tmp_path, shape):
     "Stock-equal uninterrupted; killed where the shape is fragile and rerun: the uninterrupted run's bits; a rerun trains nothing"
     ref = reference(forker, stock, tmp_path, shape)
-    # 4 epochs of 9 batches (`after-fit`: 2 + 2), 5 of them in `cancel-epoch`, and 9 more after each in `fit-inside`; `gan`: 3 of 8
-    assert len(ref) == {'cancel-epoch': 20, 'fit-inside': 72, 'gan': 24, 'tensorboard': 18}.get(shape, 36), f"{len(ref)} batches"
+    # 4 epochs of 9 batches (`after-fit`: 2 + 2), 5 of them in `cancel-epoch`, and 9 more after each in `fit-inside`; `gan`: 3 of 8;
+    # `events`: 10 (`one_batch` in `after_train` is a training batch)
+    n = {'cancel-epoch': 20, 'fit-inside': 72, 'gan': 24, 'gan-adaptive': 24, 'tensorboard': 18, 'events': 40}.get(shape, 36)
+    assert len(ref) == n, f"{len(ref)} batches"
     rc,lines = killed(forker, tmp_path, shape, **KILLS[shape])
     assert rc == -signal.SIGKILL, f"meant to be killed, exited {rc}:\n{''.join(lines[-30:])}"
     finish(forker, tmp_path, shape, ref)
