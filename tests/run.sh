@@ -48,7 +48,7 @@ lowest() {
   local v=$(PYTHONPATH="$low:$PYTHONPATH" python -c 'import fastai; print(fastai.__version__)')
   PYTHONPATH="$low:$PYTHONPATH" block 2 "the tabular and collab tests again, on fastai $v" tests/test_apps.py -k 'tabular or collab'
 }
-longest=(distributed multinode benchmarks group_signal safety fastai_ddp apps text remote refusals elastic cli random_scripts owned streams exact shapes
+longest=(matrix distributed multinode benchmarks group_signal safety fastai_ddp apps text remote refusals elastic cli random_scripts owned streams exact shapes
          cells invisible check trackers precision signals)
 files=("${longest[@]/#/tests/test_}"); files=("${files[@]/%/.py}")
 for f in tests/test_*.py; do [[ " ${files[*]} " = *" $f "* ]] || files+=("$f"); done
