@@ -28,7 +28,7 @@ from .learner import bypassed
 from .store import RunLog
 import torch.distributed as dist
 from .collectives import agree
-from .loaders import allow_replay, check_callbacks, check_resumable, keep_buffers, loader_kind
+from .loaders import allow_replay, check_callbacks, check_resumable, keep_buffers, loader_kind, train_loader
 from .checkpoints import RunPoints, Writer, file_name
 from .signals import SIGNALS, StopSignals, WorkerSignals
 from .trackers import continue_trackers
@@ -229,7 +229,7 @@ class AutoResume(LeanCallback):
             self.watched = [(cb, _plain_vars(cb)) for cb in self.learn.cbs if _user_callback(cb) and cb not in mine]
             self.stop_signals.install()
             self.worker_signals = WorkerSignals(self.stop_signals.old)  # the signals handled here, not in workers
-            self.worker_signals.start(self.dls.loaders)
+            self.worker_signals.start(self.dls.loaders, train_loader(self.learn))
         except BaseException: self._cleanup(); raise
 
     def before_train(self):

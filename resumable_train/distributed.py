@@ -260,7 +260,7 @@ def stage_streams(self:RankGate)->list|None:
 @patch
 def state_dict(self:RankGate):
     "World size, position in the epoch's sample order, and every rank's random streams (all of them on rank 0)"
-    er = self.learn.resume.epoch_rng
+    er = None if (tl := self.learn.resume.loader) is None else tl.epoch_start
     pos,dl = fit_position(self.learn),self._data()
     # a stream's position: each rank's own
     loader = loader_record(dl) if is_stream(dl) and pos is not None and pos[1] else None

@@ -131,8 +131,9 @@ class ResumeState:
         self.sent = (), {}, []
         self.zeroed = False  # in a fit: `zero_grad` zeroed the gradients (after a step), not known before the first
         self.plan = None  # the running fit call's `fit_plan`, worked out once (`fit_plan_once`)
-        # the resume point the running fit call continues (`pending`, taken); the random streams its epoch started with
-        self.point,self.epoch_rng = None,None
+        # the resume point the running fit call continues (`pending`, taken); the owner of its training DataLoader
+        # (`loaders.TrainLoader`: its patches, its epoch's start, its part of a resume point), made at its first use
+        self.point,self.loader = None,None
         self.rest = None  # an elastic resume's plan for the rest of the epoch it starts in (`DDPTrainer.plan_resume`)
         self.loads = 0  # calls of the package's `Learner.load`: `load_through` checks that a subclass's reaches it
         # this rank's random streams in the point being put back, which rank 0's replace there until the event ends
@@ -163,7 +164,8 @@ class ResumeState:
         "The fit call ended, whatever the way"
         self.fitting,self.skipping,self.rested = False,False,False
         self.start_epoch,self.start_iter,self.first_iter = 0,0,0
-        self.point,self.epoch_rng,self.rest = None,None,None
+        if self.loader is not None: self.loader.close()
+        self.point,self.loader,self.rest = None,None,None
     def stage_mark(self)->dict|None:
         "What a stage saved now between fit calls stands for: its run, and how many of the run's fit calls it follows"
         return None if self.run is None else dict(where=self.run.where, done=self.run.calls.done)

@@ -14,7 +14,7 @@ from .state import *
 from .state import logged_histories
 from .fitcalls import run_setup, fit_plan_once, check_setup, fit_plan, check_plan, asked_hypers
 from .workers import keepable
-from .loaders import check_callbacks, check_resumable, loader_record
+from .loaders import check_callbacks, check_resumable, train_loader
 
 # %% auto #0
 __all__ = ['ResumePoint', 'capture', 'restore', 'restore_epoch', 'restore_end', 'rest_point', 'restore_rest', 'checkpoint',
@@ -52,10 +52,6 @@ def restore_streams(learn, rec, dls=True,
     if dls: load_loader_states(learn, rec['loaders'])
     if rng: set_rng_state(rec['rng'])
     else: learn.resume.rank_rng = None  # the streams stay as they are: no trainer puts back this rank's from `rec`
-
-def epoch_streams(learn)->dict:
-    "What decides an epoch's order: the random streams at its start, and the training DataLoader's state"
-    return dict(torch=torch.get_rng_state(), rng=rng_state(), loader=LoaderState(learn.dls.train).state_dict())
 
 def fit_position(learn):
     ("Where the running fit call continues after the event of its own being sent: `(epoch, batch)`, or `None` "
@@ -119,11 +115,10 @@ def _meta():
     from resumable_train import __version__
     return dict(time=time.time(), torch=torch.__version__, fastai=fastai.__version__, resumable_train=__version__)
 
-def _worker_streams(learn)->list|None:
-    "The streams of the training DataLoader's workers (`WorkerStreams`), which a resume point inside an epoch keeps"
-    ws = getattr(learn, 'worker_streams', None)
-    if ws is not None and ws.workers is not None: return ws.state()
-    if keepable(learn.dls.train) and not hasattr(learn, 'seed_batches'):
+def _check_workers(learn):
+    "Refuse a point inside an epoch of a DataLoader with workers whose streams nothing keeps (`WorkerStreams`)"
+    tl = learn.resume.loader
+    if (tl is None or tl.workers is None) and keepable(learn.dls.train) and not hasattr(learn, 'seed_batches'):
         raise TypeError(f"Cannot resume inside an epoch of a training DataLoader with {_workers_of(learn.dls.train)} "
                         "workers without their random streams: add WorkerStreams() to the Learner's callbacks "
                         "(AutoResume adds it), or save at an epoch's end")
@@ -154,11 +149,11 @@ def capture(learn)->ResumePoint|None:
     epoch,it = pos or (None,0)
     check_resumable(learn.dls.train)
     check_callbacks(learn)
-    loaders = loader_states(learn)
-    er = learn.resume.epoch_rng if it else None  # `epoch_streams` at the epoch's start
-    if it:  # how the training DataLoader resumes, and where it is: refuses a point that no run could continue
-        loaders[0] = dict(loaders[0], epoch=None if er is None else er['loader'], **loader_record(learn.dls.train),
-                          workers=_worker_streams(learn))
+    if it: _check_workers(learn)
+    tl = train_loader(learn)
+    er = tl.epoch_start if it else None  # the random streams and the loader's state at the epoch's start
+    # inside an epoch, also how the training DataLoader resumes and where it is: refuses a point no run could continue
+    loaders = [tl.state_dict(it), *loader_states(learn)[1:]]
     return ResumePoint(dict(
         to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train,
                       hypers=learn.opt.hypers, setup=run_setup(learn, rs.n_epoch), meta=_meta(), **_inner_fits(learn))),
@@ -197,19 +192,17 @@ def restore_epoch(learn, point:ResumePoint)->dict:
      "at that start, the states and streams at the point, the workers'; the streams the epoch's order is drawn from")
     rec,rs = point.rec,learn.resume
     learn.pct_train = rec['pct_train']
-    er,start = rec['epoch_rng'],point.loader['epoch']
-    rs.epoch_rng = dict(er, loader=start)  # as `epoch_streams` took them: the next points in this epoch keep them
-    LoaderState(learn.dls.train).load_state_dict(start)
+    er,tl = rec['epoch_rng'],train_loader(learn)
+    tl.load_epoch_start(er, point.loader)  # the next points in this epoch keep its start
     restore_streams(learn, rec, dls=False, fresh=point.fresh)
-    ws = getattr(learn, 'worker_streams', None)
-    if ws is not None and ws.workers is not None:  # the workers start from the streams the point keeps
+    if tl.workers is not None:  # the workers start from the streams the point keeps
         saved = point.loader.get('workers')
-        if saved is None or len(saved) != ws.workers.n:
-            raise CheckpointError(f"{point.file} holds no random streams of the training DataLoader's {ws.workers.n} "
+        if saved is None or len(saved) != tl.workers.n:
+            raise CheckpointError(f"{point.file} holds no random streams of the training DataLoader's {tl.workers.n} "
                                   "workers (a resume point of resumable_train 0.4, which seeded each batch instead): "
                                   "its epoch cannot go on as it began; continue it with resumable_train 0.4, or resume "
                                   "from an epoch's end")
-        ws.resume(saved, rec['iter'])
+        tl.workers.resume(saved, rec['iter'])
     return _epoch_start(er, rec['rng'])
 
 def restore_end(learn, point:ResumePoint,

@@ -15,6 +15,7 @@ from fastai.data.load import DataLoader
 from fastai.callback.core import Callback
 from .state import *
 from .hooks import ResumeState, LeanCallback, internal
+from .loaders import train_loader
 
 # %% ../nbs/02e_seeds.ipynb #fa1344f9
 @contextmanager
@@ -90,10 +91,9 @@ class SeedBatches(LeanCallback):
     "Make each training batch's item randomness depend only on the epoch's order (or base seed) and the batch index"
     order = 900
     def before_train(self):
-        self.after_train()  # a training phase that an exception ended left its patches
-        self.dl_ = dl = self.learn.dl
-        self.old = patch_attrs(dl, **_seed_patches(dl, self.dls.train, self.learn.resume))
+        tl,dl = train_loader(self.learn),self.learn.dl
+        tl.unpatch('seeds')  # a training phase that an exception ended left its patches
+        tl.patch('seeds', dl, **_seed_patches(dl, self.dls.train, self.learn.resume))
     def after_train(self):
-        if getattr(self, 'old', None): unpatch_attrs(self.dl_, self.old)
-        self.old = {}
+        if (tl := self.learn.resume.loader) is not None: tl.unpatch('seeds')
     after_fit = after_train

@@ -79,16 +79,16 @@ def _end_workers():
 
 class WorkerSignals:
     "Keep the stop signals away from DataLoader workers: the main process stops the run for them, at a safe point"
-    def __init__(self, signums): self.signums,self.wrapped,self.mask = set(signums),[],None
+    def __init__(self, signums): self.signums,self.loader,self.mask = set(signums),None,None
 
-    def start(self, loaders):
+    def start(self, loaders, owner): # `loaders.TrainLoader`, the one that patches them (as `'signals'`)
         "Make the workers that `loaders` start ignore the stop signals"
+        self.loader = owner
         for dl in loaders:
             # a fastai DataLoader starts its workers through `fake_l`, a PyTorch one itself
             o = getattr(dl, 'fake_l', dl)
             if not hasattr(o, 'worker_init_fn') or isinstance(o.worker_init_fn, _IgnoreSignals): continue
-            self.wrapped.append((o, o.worker_init_fn))
-            o.worker_init_fn = _IgnoreSignals(o.worker_init_fn, self.signums)
+            owner.patch('signals', o, worker_init_fn=_IgnoreSignals(o.worker_init_fn, self.signums))
             _signalled.add(o)
 
     def hold(self, on:bool=True):
@@ -99,5 +99,5 @@ class WorkerSignals:
     def stop(self):
         "Put the loaders and this thread's signal mask back as they were"
         self.hold(False)
-        for o,f in self.wrapped: o.worker_init_fn = f
-        self.wrapped = []
+        if self.loader is not None: self.loader.unpatch('signals')
+        self.loader = None

@@ -14,8 +14,8 @@ from .files import *
 from .state import *
 from .fitcalls import loader_of
 from .hooks import LeanCallback
-from .loaders import Resumed, check_len, loader_kind, replayed
-from .point import epoch_streams, restore, restore_epoch
+from .loaders import Resumed, TrainLoader, check_len, loader_kind, replayed, train_loader
+from .point import restore, restore_epoch
 
 # %% ../nbs/02d_skip.ipynb #b5c59e93
 def _drop_first(idxs, n):
@@ -40,7 +40,8 @@ class _FastForward(GetAttr):
     _default = 'dl'
     def __init__(self, dl, first_iter:int,
                  start=None, # the random streams at the epoch's start (`rng_state`), to draw its order and seeds from
-                ): self.dl,self._first_iter,self.start = dl,first_iter,start
+                 loader:TrainLoader|None=None, # the owner that patches `dl` while it iterates
+                ): self.dl,self._first_iter,self.start,self.loader = dl,first_iter,start,loader or TrainLoader()
     def __len__(self): return len(self.dl)
     def _from_start(self):
         "Put the streams at the epoch's start; returns the streams to train on, which the iteration switches back to"
@@ -53,10 +54,7 @@ class _FastForward(GetAttr):
         dl,now = self.dl,self._from_start()
         gen = None if now is None else torch.Generator()
         get_idxs = partial(_ff_idxs, dl.get_idxs, self._first_iter*(dl.bs or 1), gen, now, [])
-        old_dl = patch_attrs(dl, get_idxs=get_idxs)
-        old_fake = patch_attrs(dl.fake_l, generator=gen)
-        try: yield from dl
-        finally: unpatch_attrs(dl, old_dl); unpatch_attrs(dl.fake_l, old_fake)
+        with self.loader.patching(dl, get_idxs=get_idxs), self.loader.patching(dl.fake_l, generator=gen): yield from dl
 
 class _SkipBatches:
     "A PyTorch `sampler`'s batches but the first `n`; the epoch's draws come first, then the streams switch to `now`"
@@ -74,18 +72,17 @@ class _TorchFastForward(_FastForward):
     def __iter__(self):
         dl,now = self.dl,self._from_start()  # the iterator draws the workers' base seed, then the sampler its seed
         name = 'sampler' if dl.batch_sampler is None else 'batch_sampler'
-        old = patch_attrs(dl, **{name: _SkipBatches(getattr(dl, name), self._first_iter, now)})
-        try: yield from dl
-        finally: unpatch_attrs(dl, old)
+        with self.loader.patching(dl, **{name: _SkipBatches(getattr(dl, name), self._first_iter, now)}): yield from dl
 
 def _fast_forward(dl, first_iter:int, kind:str, # `loader_kind(dl)`
                   start=None, # the random streams at the epoch's start
                   position=None, # `loader_position` at the resume point
+                  loader:TrainLoader|None=None, # the owner that patches `dl` while it iterates
                  ):
     "`dl` from batch `first_iter` on, resumed as loaders of its kind resume"
-    if kind == 'fastai': return _FastForward(dl, first_iter, start)
-    if kind == 'torch': return _TorchFastForward(dl, first_iter, start)
-    return Resumed(loader_of(dl), first_iter, kind, position, start)
+    if kind == 'fastai': return _FastForward(dl, first_iter, start, loader)
+    if kind == 'torch': return _TorchFastForward(dl, first_iter, start, loader)
+    return Resumed(loader_of(dl), first_iter, kind, position, start, loader)
 
 # %% ../nbs/02d_skip.ipynb #9655f72b
 def fastai_pct(pct:float, it:int, n_iter:int, n_epoch:int)->float:
@@ -116,16 +113,17 @@ class SkipToIter(LeanCallback):
         if point is None: self.learn.train_iter = rs.start_epoch*len(self.dls.train) + rs.start_iter
 
     def before_train(self):
-        rs = self.learn.resume
+        rs,tl = self.learn.resume,train_loader(self.learn)
         if rs.epoch != rs.start_epoch or not rs.start_iter:  # the loop's epoch (a `validate` inside an event sets 0)
-            rs.epoch_rng = epoch_streams(self.learn)
+            tl.start_epoch()
             # the stream draws from its own random streams in every epoch, so that a replay of this one sees them
-            if replayed(self.dl): self.learn.dl = Resumed(loader_of(self.dl), 0, 'replay')
+            if replayed(self.dl): self.learn.dl = Resumed(loader_of(self.dl), 0, 'replay', loader=tl)
             return
         kind,point = loader_kind(self.dl),rs.point
         if point is None:
             self.learn.pct_train = fastai_pct(self.pct_train, rs.start_iter, len(self.dl), self.n_epoch)
-            rs.epoch_rng,start,saved = epoch_streams(self.learn),None,{}
+            tl.start_epoch()
+            start,saved = None,{}
         else:
             start,saved = restore_epoch(self.learn, point),point.loader
             if saved.get('kind', kind) != kind:
@@ -133,7 +131,7 @@ class SkipToIter(LeanCallback):
                     f"{point.file} was written with a training DataLoader that resumes inside an epoch by "
                     f"{saved['kind']!r}; this one ({type(self.dl).__name__}) resumes by {kind!r}: "
                     "use the same kind of DataLoader, or resume from an epoch's end")
-        self.learn.dl = _fast_forward(self.dl, rs.start_iter, kind, start, saved.get('position'))
+        self.learn.dl = _fast_forward(self.dl, rs.start_iter, kind, start, saved.get('position'), tl)
         rs.first_iter,rs.start_iter = rs.start_iter,0
 
     def after_train(self): self.learn.resume.first_iter = 0  # validation numbers its batches from 0

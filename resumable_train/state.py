@@ -14,9 +14,9 @@ from .files import unpack
 
 # %% auto #0
 __all__ = ['to_plain', 'rng_state', 'set_rng_state', 'raw_streams', 'plain_streams', 'dl_rng_state', 'set_dl_rng_state',
-           'patch_attrs', 'unpatch_attrs', 'register_state', 'has_state', 'state_of', 'restore_state', 'History',
-           'callback_keys', 'callback_states', 'load_callback_states', 'LoaderState', 'loader_states',
-           'load_loader_states', 'module_states', 'load_module_states']
+           'register_state', 'has_state', 'state_of', 'restore_state', 'History', 'callback_keys', 'callback_states',
+           'load_callback_states', 'LoaderState', 'loader_states', 'load_loader_states', 'module_states',
+           'load_module_states']
 
 # %% ../nbs/01_state.ipynb #45ebe4e0
 def to_plain(o, copy:bool=False): # copy tensors to host memory, detached from training
@@ -94,21 +94,6 @@ def set_dl_rng_state(dl, s:list|dict|None):
     if isinstance(s, dict):
         for g,t in zip(_torch_generators(dl), s['generators']): g.set_state(t)
     elif s is not None: dl.rng.setstate(_py_state(s))
-
-# %% ../nbs/01_state.ipynb #a1f0c021
-_ABSENT = object()  # an attribute `patch_attrs` found absent from `__dict__` (`None` is a value: a `worker_init_fn`)
-
-def patch_attrs(o, **attrs)->dict:
-    "Set attributes of `o` in its `__dict__` (a DataLoader refuses `setattr` of its sampler); for `unpatch_attrs`"
-    old = {n: o.__dict__.get(n, _ABSENT) for n in attrs}
-    o.__dict__.update(attrs)
-    return old
-
-def unpatch_attrs(o, old:dict):
-    "Put back the attributes `patch_attrs` set, as they were: absent, `None` or a value"
-    for n,v in old.items():
-        if v is _ABSENT: o.__dict__.pop(n, None)
-        else: o.__dict__[n] = v
 
 # %% ../nbs/01_state.ipynb #42fc7de7
 def qualname(c): return f'{c.__module__}.{c.__qualname__}'

@@ -12,6 +12,7 @@ from fastai.torch_core import set_seed
 from fastai.data.load import DataLoader
 from .state import *
 from .hooks import LeanCallback, internal
+from .loaders import TrainLoader, train_loader
 
 # %% auto #0
 __all__ = ['keepable', 'keep_workers', 'WorkerStreams']
@@ -113,32 +114,35 @@ def keepable(dl)->bool:
 # its workers keep their turn
 def _torchdata(dl)->bool: return type(dl).__module__.startswith('torchdata.stateful_dataloader')
 
-def keep_workers(dl)->tuple:
-    ("Make the workers of `dl` write their streams for each batch: `(workers, undo)`; `(None, [])` if `dl` is not "
-     "`keepable`")
-    if not keepable(dl): return None,[]
+def keep_workers(loader:TrainLoader, # the owner that patches `dl`, as `'workers'`
+                 dl)->_Workers|None:
+    "Make the workers of `dl` write their streams for each batch: their `_Workers`, or `None` if `dl` is not `keepable`"
+    if not keepable(dl): return None
     if isinstance(dl, DataLoader):
         w = _Workers(dl.fake_l.num_workers, dl.fake_l.prefetch_factor)
-        return w,[partial(unpatch_attrs, dl,
-                          patch_attrs(dl, create_batches=partial(_written_batches, dl.create_batches, w)))]
+        loader.patch('workers', dl, create_batches=partial(_written_batches, dl.create_batches, w))
+        return w
     w = _Workers(dl.num_workers, dl.prefetch_factor or 2, keeps_turn=_torchdata(dl))
-    old = patch_attrs(dl, collate_fn=_WritingCollate(dl.collate_fn, w),
-                      worker_init_fn=_StartingInit(dl.worker_init_fn, w))
-    return w,[partial(unpatch_attrs, dl, old)]
+    loader.patch('workers', dl, collate_fn=_WritingCollate(dl.collate_fn, w),
+                 worker_init_fn=_StartingInit(dl.worker_init_fn, w))
+    return w
 
 # %% ../nbs/01b_workers.ipynb #812bbce3
 class WorkerStreams(LeanCallback):
     ("Keep the random streams of the training DataLoader's workers at each batch, so that a resumed epoch's workers go "
      "on from them")
     order = 900  # after the trainers, which give `learn.dl` its rank's share; before `SkipToIter`, which resumes it
-    def __init__(self): self.workers,self.undo = None,[]
     def before_train(self):
-        self.after_train()  # a training phase that an exception ended left its patches
-        self.workers,self.undo = keep_workers(self.learn.dl)
+        tl = train_loader(self.learn)  # which holds the workers' `_Workers` for resume points
+        tl.unpatch('workers')  # a training phase that an exception ended left its patches
+        tl.workers = keep_workers(tl, self.learn.dl)
     def after_train(self):
-        for f in reversed(self.undo): f()
-        self.undo = []
-    def after_fit(self): self.after_train(); self.workers = None
+        if (tl := self.learn.resume.loader) is not None: tl.unpatch('workers')
+    def after_fit(self):
+        self.after_train()
+        if (tl := self.learn.resume.loader) is not None: tl.workers = None
+    @property
+    def workers(self): return None if (tl := self.learn.resume.loader) is None else tl.workers
     def state(self)->list|None:
         ("The streams a resume point keeps after the batch just trained: after each residue's last trained batch of "
          "this epoch")
