@@ -112,9 +112,9 @@ class ResumeState:
         # where the fit call's own loop is: its epoch, its batch (counted from the epoch's start), its phase ('train',
         # 'validate' or `None`); told by the outermost loop alone, never by a call inside an event
         self.epoch,self.iter,self.phase = 0,0,None
-        # the running fit call's `n_epoch` (a fit inside an event sets the Learner's); how many fits (or validations that
-        # send `before_fit`) its callbacks made inside its events, whose `n_epoch` and counters the Learner keeps (as
-        # fastai's does; `attrs` put `n_epoch` back on a resume)
+        # the running fit call's `n_epoch` (a fit inside an event sets the Learner's); how many fits (or validations
+        # that send `before_fit`) its callbacks made inside its events, whose `n_epoch` and counters the Learner keeps
+        # (as fastai's does; `attrs` put `n_epoch` back on a resume)
         self.n_epoch,self.inner_fits,self.attrs = 0,0,{}
         # the fit method the user called; `start_epoch`, `start_iter` it passed
         self.call,self.start = None,(0, 0, 'fit')

@@ -177,9 +177,9 @@ def _unpatch(o, old:dict):
         else: o.__dict__[n] = v
 
 class TrainLoader:
-    ("The one owner of a fit call's training DataLoader (`learn.resume.loader`): the only code that patches it, or the "
-     "loaders beside it, and that undoes every patch however the call ends; where its epoch started (the random streams "
-     "and its state), its workers' streams, whether its `len()` is exact; its part of a resume point")
+    ("The one owner of a fit call's training DataLoader (`learn.resume.loader`): the only code that patches it, or "
+     "the loaders beside it, and that undoes every patch however the call ends; where its epoch started (the random "
+     "streams and its state), its workers' streams, whether its `len()` is exact; its part of a resume point")
     def __init__(self, learn=None): self.learn,self.held,self.epoch_start,self.workers = learn,{},None,None
     @property
     def dl(self): return None if self.learn is None else self.learn.dls.train  # a trainer may give it its shard

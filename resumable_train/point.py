@@ -133,7 +133,8 @@ def _inner_fits(learn)->dict:
     return dict(inner_fits=rs.inner_fits, **({'learner_n_epoch': learn.n_epoch} if learn.n_epoch != rs.n_epoch else {}))
 
 def _last_loss(learn):
-    "The last batch's loss, which fastai's smoothed loss takes again at a batch cancelled before its own (`None`: none yet)"
+    ("The last batch's loss, which fastai's smoothed loss takes again at a batch cancelled before its own (`None`: "
+     "none yet)")
     loss = getattr(learn, 'loss', None)
     return loss.detach().cpu().as_subclass(torch.Tensor).clone() if isinstance(loss, torch.Tensor) else None
 

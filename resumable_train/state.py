@@ -215,7 +215,8 @@ def _unpacked(o, k, packed)->list:
     return xs
 
 def _train_mets(r):
-    "The Recorder's smoothed loss and training metrics (its `_train_mets` is empty in an epoch whose training was cancelled)"
+    ("The Recorder's smoothed loss and training metrics (its `_train_mets` is empty in an epoch whose training was "
+     "cancelled)")
     return L(r.smooth_loss) + (r.metrics if r.train_metrics else L())
 
 def _recorder_state(r):
