@@ -101,8 +101,13 @@ def report(cases, a, wall, keep, heads=None):
             cc = collections.Counter(c['outcome'] for c in cs)
             lines.append(f"| {k} | {len(cs)} | {cc['passed']} | {cc['refused']} | {cc['failed']} |")
         lines.append('')
-    from random_scripts import SHAPES, WINDOWS
+    from random_scripts import SHAPES, WINDOWS, FAMILIES
     table('shape', lambda c: [c['info']['shape']] + ['MixUp'] * c['info']['mixup'], list(SHAPES) + ['MixUp'])
+    fam = lambda c: (c['info'].get('family') or 'none').split()  # 'nested get_preds': in 'nested' and 'get_preds'
+    table('family (issue 48: calls inside `after_epoch`, cancels)', lambda c: fam(c)[:1], ['none', *FAMILIES])
+    table('family, by what it does', lambda c: [' '.join(fam(c)[:2])],
+          [f'{f} {h}' for f,hs in (('nested', ('get_preds', 'validate', 'one_batch')), ('cancel', ('epoch', 'valid', 'step')))
+           for h in hs])
     table('app', lambda c: [c['info']['app']], ['digits', 'text'])
     table('kill window (a case counts in each of its windows)', lambda c: [w for w,_ in c['kills']], WINDOWS)
     # the uninterrupted run with AutoResume against the same script as stock fastai (a process that never imports the package)

@@ -1086,6 +1086,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                           'resumable_train.trackers.wandb_id': ('trackers.html#wandb_id', 'resumable_train/trackers.py')},
             'resumable_train.workers': { 'resumable_train.workers.WorkerStreams': ( 'workers.html#workerstreams',
                                                                                     'resumable_train/workers.py'),
+                                         'resumable_train.workers.WorkerStreams._loader': ( 'workers.html#workerstreams._loader',
+                                                                                            'resumable_train/workers.py'),
                                          'resumable_train.workers.WorkerStreams.after_fit': ( 'workers.html#workerstreams.after_fit',
                                                                                               'resumable_train/workers.py'),
                                          'resumable_train.workers.WorkerStreams.after_train': ( 'workers.html#workerstreams.after_train',

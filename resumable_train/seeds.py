@@ -94,6 +94,6 @@ class SeedBatches(LeanCallback):
         tl,dl = train_loader(self.learn),self.learn.dl
         tl.unpatch('seeds')  # a training phase that an exception ended left its patches
         tl.patch('seeds', dl, **_seed_patches(dl, self.dls.train, self.learn.resume))
-    def after_train(self):
-        if (tl := self.learn.resume.loader) is not None: tl.unpatch('seeds')
+    def after_train(self):  # (`learn` is `None` once `AutoResume` removed it, at the fit call's end)
+        if self.learn is not None and (tl := self.learn.resume.loader) is not None: tl.unpatch('seeds')
     after_fit = after_train

@@ -136,13 +136,15 @@ class WorkerStreams(LeanCallback):
         tl = train_loader(self.learn)  # which holds the workers' `_Workers` for resume points
         tl.unpatch('workers')  # a training phase that an exception ended left its patches
         tl.workers = keep_workers(tl, self.learn.dl)
+    def _loader(self):  # none once the fit call ended, or once `AutoResume` removed it (`learn` is `None` then)
+        return None if self.learn is None else self.learn.resume.loader
     def after_train(self):
-        if (tl := self.learn.resume.loader) is not None: tl.unpatch('workers')
+        if (tl := self._loader()) is not None: tl.unpatch('workers')
     def after_fit(self):
         self.after_train()
-        if (tl := self.learn.resume.loader) is not None: tl.workers = None
+        if (tl := self._loader()) is not None: tl.workers = None
     @property
-    def workers(self): return None if (tl := self.learn.resume.loader) is None else tl.workers
+    def workers(self): return None if (tl := self._loader()) is None else tl.workers
     def state(self)->list|None:
         ("The streams a resume point keeps after the batch just trained: after each residue's last trained batch of "
          "this epoch")

@@ -26,7 +26,7 @@ with the symptom.
 import io, os, random, re, resource, signal, sys, time, textwrap
 from pathlib import Path
 import torch
-from fastai.callback.core import Callback
+from fastai.callback.core import Callback, CancelEpochException, CancelStepException, CancelValidException
 
 # ---------------------------------------------------------------- what runs inside a generated script
 _P = dict(pid=None, count={}, steps=0, end=None, spec=None)
@@ -82,6 +82,9 @@ class ProbeLate(Callback):
     "After every other callback's `after_fit` (`AutoResume`'s end-of-call write included)"
     order = 10_000
     def after_fit(self):
+        if getattr(self.learn, '_rs_depth', 0):  # the end of a call inside an event (a `get_preds` not `inner`)
+            self.learn._rs_depth -= 1
+            return
         cid = getattr(self.learn, '_rs_call', None)
         if cid is None or not getattr(self.learn, '_rs_fitting', False): return
         _P['end'],self.learn._rs_fitting = None,False
@@ -96,6 +99,9 @@ class Probe(Callback):
     def before_fit(self):
         _state()
         self.after_create()
+        if getattr(self.learn, '_rs_fitting', False):  # a call inside an event of the fit call (its `before_fit`)
+            self.learn._rs_depth = getattr(self.learn, '_rs_depth', 0) + 1
+            return
         fitting = _in_fit() and not hasattr(self.learn, 'lr_finder')
         self.learn._rs_fitting = fitting
         if not fitting: return
@@ -117,9 +123,29 @@ class Probe(Callback):
             _say('VALID', cid, self.epoch, self.iter)
             _hit('valid', cid, self.epoch, self.iter)
     def after_fit(self):
-        if not getattr(self.learn, '_rs_fitting', False): return
+        if not getattr(self.learn, '_rs_fitting', False) or getattr(self.learn, '_rs_depth', 0): return
         _P['end'] = self.learn._rs_call
         _say('END', self.learn._rs_call)
+
+class Scorer(Callback):
+    "Call the Learner inside `after_epoch`, itself removed (issue 48): `get_preds`, `validate` or `one_batch`"
+    def __init__(self, how): self.how = how
+    def after_epoch(self):
+        learn = self.learn
+        with learn.removed_cbs(self):
+            if self.how == 'get_preds': learn.get_preds()
+            elif self.how == 'validate': learn.validate()
+            else: learn.one_batch(0, learn.dls.valid.one_batch())
+
+class Cap(Callback):
+    "Cancel where `how` says (issue 48): each epoch after `n` batches, validation of odd epochs, or the step of batch `n`"
+    def __init__(self, how, n): self.how,self.n = how,n
+    def after_batch(self):
+        if self.how == 'epoch' and self.training and self.iter == self.n: raise CancelEpochException()
+    def before_validate(self):
+        if self.how == 'valid' and self.epoch % 2: raise CancelValidException()
+    def before_step(self):
+        if self.how == 'step' and self.iter == self.n: raise CancelStepException()
 
 def save_results(out, *learners):
     "What the comparison checks, for each Learner: weights, optimizer state, Recorder; and this process's optimizer steps"
@@ -134,6 +160,8 @@ def save_results(out, *learners):
 
 # ---------------------------------------------------------------- the generator
 SHAPES = ('one', 'two_same', 'two_other', 'per_call', 'cached', 'export')
+# a callback that calls the Learner inside an event, or one that cancels (issue 48), drawn apart from the rest of the script
+FAMILIES = ('nested', 'cancel')
 KINDS = ('fit', 'fit_one_cycle', 'fit_flat_cos', 'fine_tune')
 OPS = ('freeze', 'freeze_to', 'unfreeze', 'validate', 'get_preds', 'lr', 'nothing')
 
@@ -144,7 +172,7 @@ import torch
 from torch import nn
 from fastai.basics import *
 from fastai.callback.all import *
-from random_scripts import Probe, save_results
+from random_scripts import Probe, Scorer, Cap, save_results
 
 out,resume = sys.argv[1],'--plain' not in sys.argv  # --plain: stock fastai, without the package
 if resume: from resumable_train.autoresume import AutoResume
@@ -218,7 +246,19 @@ def _op(rng, var):
 
 _NONE = object()
 
-def make_script(seed, app=None, shape=None, every_iter=_NONE, background=None, mixup=None)->tuple:
+def _family(seed, family):
+    "The family's callback (code) and its description; `family=''` forces none"
+    rng = random.Random(seed * 104729 + 3)  # its own draws: a seed's script is the same with the family or without
+    family = (rng.choice(FAMILIES) if rng.random() < 0.35 else '') if family is None else family
+    if family == 'nested':
+        how = rng.choice(['get_preds', 'validate', 'one_batch'])
+        return f" + [Scorer({how!r})]", f"nested {how}"
+    if family == 'cancel':
+        how,n = rng.choice(['epoch', 'valid', 'step']),rng.randint(0, 5)
+        return f" + [Cap({how!r}, {n})]", f"cancel {how}" + (f" at {n}" if how != 'valid' else '')
+    return '', ''
+
+def make_script(seed, app=None, shape=None, every_iter=_NONE, background=None, mixup=None, family=None)->tuple:
     "The text of a random script from `seed`, and a dict describing it; the arguments given force what they name"
     rng = random.Random(seed)
     app = app or ('text' if rng.random() < 0.25 else 'digits')
@@ -232,6 +272,8 @@ def make_script(seed, app=None, shape=None, every_iter=_NONE, background=None, m
     per_call = shape == 'per_call'
     cbs = "[Probe()]" + ("" if per_call else f" + ([AutoResume({_ar_args(every, bg)})] if resume else [])")
     cbs += " + [MixUp()]" if mixup else ""
+    fcode,fam = _family(seed, family)
+    cbs += fcode
     body,desc = [],[]
     fits = [_fit(rng, app, 'learn', per_call, every, bg) for _ in range(n_calls)]
     ops = [_op(rng, 'learn') if (i or rng.random() < 0.3) else ([], '') for i in range(n_calls)]
@@ -264,7 +306,8 @@ def make_script(seed, app=None, shape=None, every_iter=_NONE, background=None, m
     if per_call: text += f"def autoresume(): return [AutoResume({_ar_args(every, bg)})] if resume else []  # one per fit call\n\n"
     text += (DIGITS if app == 'digits' else TEXT).format(cbs=cbs)
     text += "\nlearn = make_learner(path)\n" + '\n'.join(body) + f"\nsave_results(out, {', '.join(learners)})\n"
-    info = dict(seed=seed, app=app, shape=shape, every_iter=every, background=bg, mixup=mixup, calls='; '.join(desc))
+    info = dict(seed=seed, app=app, shape=shape, every_iter=every, background=bg, mixup=mixup, family=fam,
+                calls='; '.join(desc))
     doc = f'"""Random script {seed}: {describe(info)}"""\n'
     return doc + text, info
 
@@ -273,7 +316,7 @@ def _ar_args(every, bg): return ', '.join([f'every_iter={every}'] * (every is no
 def describe(info)->str:
     "One line: the app, shape and options, then the calls"
     opts = [info['app'], info['shape'], f"every_iter={info['every_iter']}"] + ['background'] * info['background'] + \
-           ['MixUp'] * info['mixup']
+           ['MixUp'] * info['mixup'] + [info['family']] * bool(info.get('family'))
     return f"{', '.join(opts)}: {info['calls']}"
 
 # ---------------------------------------------------------------- kill windows
