@@ -220,16 +220,18 @@ def _train_mets(r):
     return L(r.smooth_loss) + (r.metrics if r.train_metrics else L())
 
 def _recorder_state(r):
-    ("History, smoothed loss and running training metrics; the last epoch's log and start, which the next epoch's "
+    ("History, smoothed loss and running training metrics; the last epoch's log, which the next epoch's "
      "`after_epoch` reads if a callback cancels its `before_epoch` before the Recorder's")
-    sd = _vars_state(r, ('iters','values','log','start_epoch'))
+    sd = _vars_state(r, ('iters','values','log'))
     for k in _HISTORIES:  # one tensor each, grown by the batches since the last save: saves stay cheap in long runs
         if k in vars(r): sd[k] = _history(r, k).pack(vars(r)[k])
     return dict(sd, metrics=[metric_state(m) for m in _train_mets(r)])
 
 def _set_recorder_state(r, sd):
     _set_vars(r, {k:list(sd[k]) for k in ('iters','values')})
-    if 'log' in sd: r.log,r.start_epoch = L(sd['log']),sd['start_epoch']
+    if 'log' in sd:  # and a start for its time (a clock's value, never the same twice: a point does not keep it)
+        r.log = L(sd['log'])
+        if 'start_epoch' not in vars(r): r.start_epoch = time.time()
     for k in _HISTORIES: setattr(r, k, _unpacked(r, k, sd[k]))
     for m,s in zip(_train_mets(r), sd['metrics']): set_metric_state(m, s)
     if r.smooth_loss.count: r.learn.smooth_loss = r.smooth_loss.value
