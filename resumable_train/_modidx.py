@@ -5,6 +5,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                        'resumable_train.check.CheckRun.__init__': ( 'check.html#checkrun.__init__',
                                                                                     'resumable_train/check.py'),
                                        'resumable_train.check.CheckRun.begin': ('check.html#checkrun.begin', 'resumable_train/check.py'),
+                                       'resumable_train.check.CheckRun.confine': ( 'check.html#checkrun.confine',
+                                                                                   'resumable_train/check.py'),
                                        'resumable_train.check.CheckRun.due': ('check.html#checkrun.due', 'resumable_train/check.py'),
                                        'resumable_train.check.CheckRun.every': ('check.html#checkrun.every', 'resumable_train/check.py'),
                                        'resumable_train.check.CheckRun.say': ('check.html#checkrun.say', 'resumable_train/check.py'),

@@ -521,10 +521,19 @@ def _parser():
                         "%(default)s)")
     s.set_defaults(f=_demo)
     s = sub.add_parser('check', help="prove on your script that a killed run resumes exactly: resumable-train check -- "
-                                     "python train.py")
+                                     "python train.py",
+                       description="Run your script three times (four or five when a resume is not exact): "
+                                   "uninterrupted, killed with SIGKILL, resumed; compare the resume points bit for "
+                                   "bit. "
+                                   "It runs as you run it, in the folder you run it from, and everything a Learner "
+                                   "writes from its first fit call on (learn.save, learn.export, SaveModelCallback, "
+                                   "CSVLogger, TensorBoard logs, W&B's files, offline) goes to the check's scratch "
+                                   "folder, removed at the end unless the verdict is 'not exact'. What the script "
+                                   "writes itself, to paths of its own (open(), torch.save(), a W&B run it starts with "
+                                   "mode='online'), and what its Learner writes before its first fit call, is written "
+                                   "where the script says, at each run.")
     s.add_argument('--batches', type=int, default=None,
-                   help="stop at this training batch of the first fit call long enough (default: four resume point "
-                        "intervals in)")
+                   help="stop at this training batch of the first fit call long enough (default: at its end)")
     s.add_argument('--kill-at', type=int, default=None,
                    help="kill at this training batch (default: drawn at random after the first resume point)")
     s.add_argument('--timeout', type=float, default=900,
