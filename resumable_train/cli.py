@@ -12,7 +12,7 @@ from . import __version__
 from .files import (read_checkpoint, resume_record, CheckpointError, position_text, history_log_info, unpack,
                                    checkpoint_number)
 from .store import (as_store, is_url, locate, LocalStore, StoreError, read_runlog, run_story, run_summary, timeline,
-                                   clean_run)
+                                   clean_run, run_files)
 from .check import check
 
 # %% auto #0
@@ -313,16 +313,23 @@ def _from1(e:dict)->dict:
     return {**e, **{k: e[k]+1 for k in ('fit', 'epoch') if isinstance(e.get(k), int)}}
 
 # %% ../nbs/05_cli.ipynb #e1c788ea
-def _folder(d):
-    "`d`, or `d/models` when only that holds checkpoints (the folder of a `Learner`'s `path`)"
-    return d/'models' if not any(d.glob('*.pth')) and (d/'models').is_dir() else d
+def _holds_run(d:Path, fname:str)->bool:
+    "Does the folder `d` hold files of run `fname` (`run_files`, or its lock file)?"
+    return (d/f'.{fname}.lock').exists() or bool(run_files(LocalStore(d), fname))
 
-def _store(where):
-    "The store `ls` lists: a URL's, or a local folder's (see `_folder`)"
+def _folder(d:Path, fname:str='autoresume'):
+    ("`d`, or `d/models` (the folder of a `Learner`'s `path`, where `AutoResume` keeps its files) when that holds run "
+     "`fname`'s files and `d` does not, or when only that holds checkpoints")
+    m = d/'models'
+    if not m.is_dir() or _holds_run(d, fname): return d
+    return m if _holds_run(m, fname) or not any(d.glob('*.pth')) else d
+
+def _store(where, fname:str='autoresume'):
+    "The store of run `fname` that `ls`, `plot` and `clean` look in: a URL's, or a local folder's (see `_folder`)"
     if is_url(where): return as_store(where)
     d = Path(where)
     if not d.is_dir(): raise StoreError(f"{d} is not a folder" if d.exists() else f"{d} does not exist")
-    return LocalStore(_folder(d))
+    return LocalStore(_folder(d, fname))
 
 def _below(d, most:int=5)->list:
     "The folders below `d` (three levels down at most) that hold checkpoints: where `ls` may have been meant to look"
@@ -331,7 +338,7 @@ def _below(d, most:int=5)->list:
 
 def _ls(a)->int:
     try:
-        store = _store(a.dir)
+        store = _store(a.dir, a.fname)
         pths = (e for e in store.ls() if e.name.endswith('.pth'))
         entries = sorted(pths, key=lambda e: (e.modified or 0, e.name), reverse=True)
         runs = _runs(store)
@@ -463,11 +470,15 @@ def _demo(a)->int:
 
 # %% ../nbs/05_cli.ipynb #b83d867b
 def _clean(a)->int:
-    "`clean`: remove every file of a run (resume points, history logs, run log), so that its script starts afresh"
-    try: store = _store(a.dir); names = clean_run(store, a.fname)
+    ("`clean`: remove the files the package wrote for a run (resume points, history logs, run log, lock), so that its "
+     "script starts afresh")
+    try: store = _store(a.dir, a.fname); names,kept = clean_run(store, a.fname)
     except (StoreError, ValueError, RuntimeError, OSError) as e: return _err(e)
     print(f"removed {len(names)} file{'s'*(len(names) != 1)} of run {a.fname!r} from {store.url}"
           + (f": {', '.join(names)}" if names else ''))
+    for n,why in kept:
+        print(f"kept {_plain(n)}: not a file resumable_train wrote ({_plain(why)}); remove it yourself if it is not "
+              "yours")
     return 0
 
 def _check(a)->int:
@@ -479,7 +490,7 @@ def _check(a)->int:
 
 def _plot(a)->int:
     "`plot`: matplotlib is imported here, not when the command starts"
-    try: plot_run(_store(a.dir), a.out, fname=a.fname)
+    try: plot_run(_store(a.dir, a.fname), a.out, fname=a.fname)
     except (CheckpointError, StoreError, ValueError) as e: return _err(e)
     print(f"wrote {a.out}")
     return 0
@@ -500,6 +511,9 @@ def _parser():
     s.add_argument('dir', help="a folder of .pth files (or a Learner's path, whose models/ holds them), "
                                "or a URL (s3://bucket/run1)")
     s.add_argument('--json', action='store_true', help="print JSON, for scripts")
+    s.add_argument('--fname', default='autoresume',
+                   help="the name AutoResume was given: in a Learner's path, ls looks where its files are (default: "
+                        "%(default)s)")
     s.set_defaults(f=_ls)
     s = sub.add_parser('clean', help="remove a run's files, so that its script starts afresh")
     s.add_argument('dir', help="as for ls: a folder of resume points, a Learner's path, or a URL")
