@@ -5,8 +5,14 @@
 # %% ../nbs/05_cli.ipynb #b0837f78
 from __future__ import annotations
 import argparse, datetime, hashlib, json, os, re, signal, sys, time, warnings
-import torch
 from pathlib import Path
+
+_INTERRUPTED = "resumable-train: interrupted (Ctrl-C)"
+def _quit_on_ctrl_c(signum, frame): sys.stdout.flush(); print(_INTERRUPTED, file=sys.stderr, flush=True); os._exit(130)
+# the command, not an import of this module: a Ctrl-C while torch is imported is one line, not a traceback (see `main`)
+if Path(getattr(sys.modules['__main__'], '__file__', None) or '').name == 'resumable-train':
+    signal.signal(signal.SIGINT, _quit_on_ctrl_c)
+import torch
 from torch import nn
 from . import __version__
 from .files import (read_checkpoint, resume_record, CheckpointError, position_text, history_log_info, unpack,
@@ -424,19 +430,27 @@ def _train(folder:Path, epochs:int, kill_at:int|None=None, table:bool=True, ever
         def __init__(self, n): self.n = n
         def after_batch(self):
             if self.training and self.train_iter == self.n: sys.stdout.flush(); os.kill(os.getpid(), signal.SIGKILL)
-    learn = digits_learner(folder, cbs=[AutoResume(every_iter=every), *([_Kill(kill_at)] if kill_at else [])])
+    cbs = [AutoResume(every_iter=every, signals=('SIGTERM',)), *([_Kill(kill_at)] if kill_at else [])]  # see `_deaf`
+    learn = digits_learner(folder, cbs=cbs)
     if table: learn.fit_one_cycle(epochs, 3e-2)
     else:
         with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, 3e-2)
     (folder/'digest').write_text(weights_digest(learn.model))
+
+def _deaf(f, *args):
+    "`f(*args)` in the demo's child, deaf to Ctrl-C: the parent says it, in one line, and stops the child"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    f(*args)
 
 def _in_child(f, *args)->int:
     "Run `f(*args)` in a child process, forked where the system can; its exit status (`-9`: killed by SIGKILL)"
     import multiprocessing as mp
     sys.stdout.flush(); sys.stderr.flush()
     ctx = mp.get_context('fork' if 'fork' in mp.get_all_start_methods() else 'spawn')
-    p = ctx.Process(target=f, args=args)
-    p.start(); p.join()
+    p = ctx.Process(target=_deaf, args=(f, *args))
+    p.start()
+    try: p.join()
+    except KeyboardInterrupt: p.kill(); p.join(); raise
     return p.exitcode
 
 def _demo(a)->int:
@@ -558,6 +572,12 @@ def _parser():
 
 def main(argv:list|None=None, # the arguments, `sys.argv[1:]` by default
         )->int:
-    "Run `resumable-train` with `argv`; returns the exit status"
-    a = _parser().parse_args(argv)
-    return a.f(a)
+    "Run `resumable-train` with `argv`; returns the exit status (130 after a Ctrl-C, said in one line)"
+    if signal.getsignal(signal.SIGINT) is _quit_on_ctrl_c: signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        a = _parser().parse_args(argv)
+        return a.f(a)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print(f"\n{_INTERRUPTED}", file=sys.stderr)  # on a line of its own, also after a progress bar's
+        return 130
