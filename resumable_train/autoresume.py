@@ -345,10 +345,11 @@ class AutoResume(LeanCallback):
             changed = [a for a in then if a in now and not _same_value(then[a], now[a])]
             if not changed: continue
             _warned.add(qualname(type(cb)))  # once a process
-            warnings.warn(f"AutoResume: callback {type(cb).__name__} changed its attributes {', '.join(changed)} while "
-                          "training, but has no state_dict: resume points do not keep them, so a resumed run may end "
-                          f"elsewhere. Give {type(cb).__name__} state_dict() and load_state_dict() (or register_state)",
-                          stacklevel=user_stacklevel())
+            msg = (f"AutoResume: callback {type(cb).__name__} changed its attributes {', '.join(changed)} while "
+                   "training, but has no state_dict: resume points do not keep them, so a resumed run may end "
+                   f"elsewhere. Give {type(cb).__name__} state_dict() and load_state_dict() (or register_state)")
+            if self.check is not None: self.check.say('unkept', text=msg)  # for `check`, whatever the warning filters
+            warnings.warn(msg, stacklevel=user_stacklevel())
 
     # ---- stopping
     def _stop(self, signum):

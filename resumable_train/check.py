@@ -235,9 +235,8 @@ def check(cmd:list, # the user's command for the training script (`python train.
         else:
             say(f"why: the resume lost something: two uninterrupted runs are equal at batch {k}, the resumed one is "
                 "not")
-            for l in b.out.splitlines():
-                if (m := re.search(r'UserWarning: (AutoResume: callback .*has no state_dict.*)', l)):
-                    say(f"why: {m.group(1)}")
+            for e in b.events:
+                if e['event'] == 'unkept': say(f"why: {e['text']}")
             say(f"fix: {_LOST}")
         keep = True
         say(f"({time.monotonic() - t0:.0f} s; the runs' folders are in {work})")
