@@ -4,14 +4,16 @@
 
 # %% ../nbs/03e_autoresume.ipynb #784552e6
 from __future__ import annotations
-import signal, time, warnings
-from copy import copy
+import io, signal, time, warnings
+from types import ModuleType
 import torch
+from torch import nn
 from pathlib import Path
 from fastcore.basics import store_attr
 from fastprogress.fastprogress import ConsoleProgressBar, printing
 from fastai.torch_core import rank_distrib
 from fastai.callback.core import CancelFitException, TrainEvalCallback
+from fastai.learner import Learner
 from .files import *
 from .files import WriteCancelled
 from .store import *
@@ -56,16 +58,25 @@ def _user_callback(cb)->bool:
     mod = type(cb).__module__.partition('.')[0]
     return mod not in ('fastai', 'fastprogress', 'resumable_train') and not has_state(cb)
 
-def _plain_vars(cb)->dict:
-    "The plain values (numbers, text, tensors, lists of numbers) among `cb`'s own attributes"
-    out = {}
-    for k,v in vars(cb).items():
-        if k.startswith('_') or k in ('learn', 'run'): continue
-        if isinstance(v, torch.Tensor): out[k] = v.detach().clone()
-        elif isinstance(v, (bool, int, float, str)) or (isinstance(v, list)
-                                                        and all(isinstance(x, (int, float)) for x in v)):
-            out[k] = copy(v)
-    return out
+_OPAQUE = object()  # what the watch does not look into (files, functions, modules, the Learner): never a change
+_MOST = 10_000  # items of a container the watch copies: a longer one is watched by its length
+
+def _snapshot(v, depth:int=4):
+    ("A copy of the data in `v` to compare later: numbers, text, tensors, arrays, and the dicts, lists, sets and "
+     "objects holding them, `depth` levels down")
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes)): return v
+    if isinstance(v, torch.Tensor): return v.detach().clone()
+    if type(v).__module__ == 'numpy': return torch.as_tensor(v).clone() if v.dtype != object else _OPAQUE
+    if depth == 0 or callable(v) or isinstance(v, (Learner, nn.Module, io.IOBase, ModuleType)): return _OPAQUE
+    if isinstance(v, (dict, list, tuple, set, frozenset)) and len(v) > _MOST: return [type(v).__name__, len(v)]
+    if isinstance(v, dict): return {k: _snapshot(x, depth-1) for k,x in v.items()}
+    if isinstance(v, (set, frozenset)): return ['set', *sorted(map(repr, v))]
+    if isinstance(v, (list, tuple)): return [type(v).__name__, *(_snapshot(x, depth-1) for x in v)]
+    return {'__class__': type(v), **_snapshot(vars(v), depth-1)} if hasattr(v, '__dict__') else _OPAQUE
+
+def _watched_vars(cb)->dict:
+    "A copy of the data among `cb`'s own attributes (`_snapshot`): what the resume points would lose if it changes"
+    return {k: _snapshot(v) for k,v in vars(cb).items() if not k.startswith('_') and k not in ('learn', 'run')}
 
 # the moves between `AutoResume`'s states, as the table above has them (checked against it below); `_cleanup` goes back
 # to 'idle' from any state
@@ -75,9 +86,14 @@ _MOVES = {('idle', 'looking'), ('looking', 'skipping'), ('looking', 'training'),
 _warned = set()  # the classes of the callbacks named in a warning: one warning a class
 
 def _same_value(a, b)->bool:
+    "Are the snapshots `a` and `b` equal: tensors by `torch.equal`, NaN equal to NaN, what was not looked into always?"
+    if a is _OPAQUE or b is _OPAQUE: return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    return type(a) == type(b) and a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list): return len(a) == len(b) and all(map(_same_value, a, b))
+    return type(a) == type(b) and (a == b or (isinstance(a, float) and a != a and b != b))
 
 def _check_args(keep, fname):
     "Refuse `AutoResume`'s arguments that no run could use, saying what to give instead"
@@ -177,7 +193,9 @@ class AutoResume(LeanCallback):
         self._idle()  # every fit call starts from the same state: no signal noted, nothing decided
         self._to('looking')
         self.check,self.group = checking(),dist.is_available() and dist.is_initialized()
-        if self.check is not None: self.every_iter,self.every_secs = self.check.every(len(self.dls.train)),None
+        if self.check is not None:  # the check's resume points; what the Learner writes in its scratch folder
+            self.every_iter,self.every_secs = self.check.every(len(self.dls.train)),None
+            self.check.confine(self.learn)
         try:
             hide_probes(self.learn)
             check_resumable(self.dls.train)
@@ -226,7 +244,7 @@ class AutoResume(LeanCallback):
             self.runlog.begin(self.fit_index, (self.n_epoch, self.fits[-1].get('n_iter')), self.resumed_from,
                               fresh=fresh)
             mine = (self, self._look_cb)
-            self.watched = [(cb, _plain_vars(cb)) for cb in self.learn.cbs if _user_callback(cb) and cb not in mine]
+            self.watched = [(cb, _watched_vars(cb)) for cb in self.learn.cbs if _user_callback(cb) and cb not in mine]
             self.stop_signals.install()
             self.worker_signals = WorkerSignals(self.stop_signals.old)  # the signals handled here, not in workers
             self.worker_signals.start(self.dls.loaders, train_loader(self.learn))
@@ -323,14 +341,15 @@ class AutoResume(LeanCallback):
         "Warn once for each callback of the user's whose attributes changed while training but that keeps no state"
         for cb,then in self.watched:
             if qualname(type(cb)) in _warned: continue
-            now = _plain_vars(cb)
+            now = _watched_vars(cb)
             changed = [a for a in then if a in now and not _same_value(then[a], now[a])]
             if not changed: continue
             _warned.add(qualname(type(cb)))  # once a process
-            warnings.warn(f"AutoResume: callback {type(cb).__name__} changed its attributes {', '.join(changed)} while "
-                          "training, but has no state_dict: resume points do not keep them, so a resumed run may end "
-                          f"elsewhere. Give {type(cb).__name__} state_dict() and load_state_dict() (or register_state)",
-                          stacklevel=user_stacklevel())
+            msg = (f"AutoResume: callback {type(cb).__name__} changed its attributes {', '.join(changed)} while "
+                   "training, but has no state_dict: resume points do not keep them, so a resumed run may end "
+                   f"elsewhere. Give {type(cb).__name__} state_dict() and load_state_dict() (or register_state)")
+            if self.check is not None: self.check.say('unkept', text=msg)  # for `check`, whatever the warning filters
+            warnings.warn(msg, stacklevel=user_stacklevel())
 
     # ---- stopping
     def _stop(self, signum):

@@ -20,6 +20,7 @@ class CheckRun:
      "batches, a kill, a stop")
     def __init__(self, spec:dict):
         self.dir,self.report,self.kill,self.stop = spec['dir'],spec.get('report'),spec.get('kill'),spec.get('stop')
+        self.learner = spec.get('learner', str(Path(self.dir)/'learner'))  # the folder of the Learner's own files
         self.fit,self.interval,self.strict = spec.get('fit'),spec.get('every'),spec.get('deterministic', False)
 
     def say(self, event:str, **fields):
@@ -33,12 +34,20 @@ class CheckRun:
         if self.strict: torch.use_deterministic_algorithms(True)  # a nondeterministic op raises, naming itself
         return self.interval
 
+    def confine(self, learn):
+        "Send what `learn` writes (`save`, `export`, `SaveModelCallback`, `CSVLogger`, TensorBoard) to the run's folder"
+        learn.path = Path(self.learner)
+        if Path(learn.model_dir).is_absolute(): learn.model_dir = Path(learn.model_dir).name
+        for cb in learn.cbs:
+            if type(cb).__module__ == 'fastai.callback.tensorboard': cb.log_dir = str(learn.path/'tensorboard')
+
     def begin(self, fit:int, n_epoch:int, n_iter:int, fname:str, resumed:int|None):
         "A fit call of the script starts training: the first one long enough is the one the check stops (and kills) in"
         total = n_epoch*n_iter
         if self.fit is None and total >= self.interval + 3:  # room for a kill after a resume point and before the stop
-            self.fit,self.stop = fit,min(total - 1, self.stop or 4*self.interval)
-            self.say('plan', fit=fit, stop=self.stop, every=self.interval, n_iter=n_iter, n_epoch=n_epoch, fname=fname)
+            self.fit,self.stop = fit,min(total, self.stop or total)
+            self.say('plan', fit=fit, stop=self.stop, total=total, every=self.interval, n_iter=n_iter, n_epoch=n_epoch,
+                     fname=fname)
         self.say('started', fit=fit, resumed=resumed, fname=fname)
 
     def due(self, fit:int, train_iter:int)->bool:
@@ -63,13 +72,14 @@ def checking()->CheckRun|None:
 # what differs between two runs of the same training: the time, the run's ids, the files' names, the history log's
 # framing
 _VARY = {'opt.resume.meta', 'opt.resume.starts', 'opt.resume.ends', 'opt.resume.callbacks.recorder.history'}
+_VARY_KEYS = {'mtime_ns'}  # a file's time (`CSVLogger`'s)
 
 def _short(v)->str: s = repr(v); return s if len(s) <= 60 else s[:57] + '...'
 
 def state_diff(a, b, path:str='')->list:
     ("Where resume points `a` and `b` differ, as `(path, how)`: every tensor by `torch.equal`; times, run ids and file "
      "names left out")
-    if path in _VARY: return []
+    if path in _VARY or path.rpartition('.')[2] in _VARY_KEYS: return []
     if isinstance(a, dict) and isinstance(b, dict):
         keys = list(a) + [k for k in b if k not in a]
         return [d for k in keys for d in (state_diff(a[k], b[k], f"{path}.{k}" if path else str(k)) if k in a and k in b
@@ -145,78 +155,91 @@ _LOST = ("give each callback that keeps counters or buffers state_dict() and loa
 
 # %% ../nbs/06_check.ipynb #446f8921
 def check(cmd:list, # the user's command for the training script (`python train.py ...`, `torchrun ... train.py ...`)
-          batches:int|None=None, # stop at this batch of the first fit call long enough (default: 4 resume intervals)
+          batches:int|None=None, # stop at this batch of the first fit call long enough (default: at its end)
           kill_at:int|None=None, # kill at this training batch (default: drawn at random after the first resume point)
           timeout:float=900, # seconds each run of the script may take
           run=None, # `run(cmd, env, timeout) -> (returncode, output)`: a process (group) of its own by default
           say=print, # where the lines of the verdict go
+          scratch=None, # where to make the check's scratch folder (default: the system's temporary folder)
          )->int:
     ("Prove on the script and machine at hand that a killed run resumes exactly: 0 if it does; 1 if not, saying why, "
-     "or if it cannot tell")
-    t0,work,run = time.monotonic(),Path(tempfile.mkdtemp(prefix='resumable-train-check-')),run or _subprocess_run
-    runs = []
+     "or if it cannot tell. Only a verdict 'not exact' leaves its scratch folder, named, behind")
+    t0,run = time.monotonic(),run or _subprocess_run
+    work = Path(tempfile.mkdtemp(prefix='resumable-train-check-', dir=scratch))
+    runs,keep = [],False
+    # the Learner's own files, in one folder for every run, as their states may name it: a run's go with it after it
+    learner = work/'learner'
     def go(name, what, **spec)->_Run:
         say(f"check: {what} ({time.monotonic() - t0:.0f} s)")
         folder,report = work/name,work/f'{len(runs)+1}-{name}.jsonl'  # the folder of a run resumed is the killed run's
         folder.mkdir(exist_ok=True)
-        rc,out = run(list(cmd), {CHECK_VAR: json.dumps(dict(spec, dir=str(folder), report=str(report)))}, timeout)
+        if runs and runs[-1].folder != folder and learner.exists(): learner.rename(runs[-1].folder/'learner')
+        learner.mkdir(exist_ok=True)
+        env = {CHECK_VAR: json.dumps(dict(spec, dir=str(folder), report=str(report), learner=str(learner))),
+               'WANDB_DIR': str(learner), 'WANDB_MODE': 'offline'}  # W&B's files there too, and nothing sent
+        rc,out = run(list(cmd), env, timeout)
         events = [json.loads(l) for l in report.read_text().splitlines()] if report.exists() else []
         runs.append(_Run(rc, out, events, folder))
         return runs[-1]
     def no(why:str)->int:
         say(f"not checked: {why}")
-        shutil.rmtree(work, ignore_errors=True)
         return 1
 
-    a = go('uninterrupted', "the script, uninterrupted, to the batch the check stops it at", stop=batches)
-    if a.first('started') is None:
-        return no(a.why() if a.rc else "the script trained no fit call with AutoResume: add AutoResume() to the "
-                                       "Learner's callbacks")
-    plan = a.first('plan')
-    if plan is None:
-        return no("no fit call of the script trains enough batches for a resume point, a kill after it and a stop")
-    fit,k,every,fname = plan['fit'],plan['stop'],plan['every'],plan['fname']
-    if a.first('stop') is None: return no(f"fit call {fit+1} ended before batch {k}" if not a.rc else a.why())
-    if k < every + 2:
-        return no(f"the stop (batch {k}) leaves no batch to kill at after the first resume point (batch {every})")
-    j = random.SystemRandom().randint(every+1, k-1) if kill_at is None else kill_at
-    if not every < j < k:
-        return no(f"the kill (batch {j}) must come after the first resume point (batch {every}) and before the "
-                                    f"stop (batch {k})")
-    spec = dict(fit=fit, stop=k, every=every)
-    b = go('resumed', f"the script again, killed with SIGKILL after batch {j} of fit call {fit+1}", kill=j, **spec)
-    if b.first('kill') is None: return no(f"the run to kill did not reach batch {j}: {b.why()}")
-    b = go('resumed', "the script again, resuming after the kill, to the stop", **spec)
-    if b.first('stop') is None: return no(f"the resumed run did not reach batch {k}: {b.why()}")
-    resumed = next((e['resumed'] for e in b.events if e['event'] == 'started' and e['fit'] == fit), None)
-    (na,sa),(nb,sb) = _newest(a.folder, fname),_newest(b.folder, fname)
-    for n,s in ((na, sa), (nb, sb)):
-        rec = resume_record(s) if s is not None else None
-        if rec is None or (rec.get('fit_index'), rec.get('train_iter'), rec.get('epoch') is None) != (fit, k, False):
-            return no(f"the stop at batch {k} wrote no resume point there ({n or 'none'} is the newest)")
-    diffs,secs = state_diff(sa, sb),time.monotonic() - t0
-    at = f"killed after batch {j}, resumed from batch {resumed}"
-    if not diffs:
-        say(f"exact: {at}, equal at batch {k} in every tensor ({_tensors(sa)} tensors, {secs:.0f} s)")
-        shutil.rmtree(work, ignore_errors=True)
-        return 0
-    say(f"not exact: {at}; at batch {k} it differs from the uninterrupted run in {len(diffs)} places: {_first(diffs)}")
-    c = go('again', "the script uninterrupted once more, to tell training that is not deterministic from a resume that "
-                    "lost something", **spec)
-    again = state_diff(sa, _newest(c.folder, fname)[1])
-    if again:
-        say(f"why: training is not deterministic here: two uninterrupted runs differ at batch {k} in {len(again)} "
-            f"places: {_first(again)}")
-        d = go('deterministic', "the script with torch.use_deterministic_algorithms(True), to name an operation that "
-                                "has no deterministic kernel", deterministic=True, **spec)
-        if (m := re.search(r"RuntimeError: ([^\n]*does not have a deterministic implementation[^\n]*)", d.out)):
-            say(f"why: {m.group(1).split(', but you set')[0]} (torch.use_deterministic_algorithms(True) raised)")
-        say(f"fix: {_NOT_DETERMINISTIC}")
-    else:
-        say(f"why: the resume lost something: two uninterrupted runs are equal at batch {k}, the resumed one is not")
-        for l in b.out.splitlines():
-            if (m := re.search(r'UserWarning: (AutoResume: callback .*has no state_dict.*)', l)):
-                say(f"why: {m.group(1)}")
-        say(f"fix: {_LOST}")
-    say(f"({time.monotonic() - t0:.0f} s; the runs' folders are in {work})")
-    return 1
+    try:
+        a = go('uninterrupted', "the script, uninterrupted, to the batch the check stops it at", stop=batches)
+        if a.first('started') is None:
+            return no(a.why() if a.rc else "the script trained no fit call with AutoResume: add AutoResume() to the "
+                                           "Learner's callbacks")
+        plan = a.first('plan')
+        if plan is None:
+            return no("no fit call of the script trains enough batches for a resume point, a kill after it and a stop")
+        fit,k,every,fname = plan['fit'],plan['stop'],plan['every'],plan['fname']
+        if a.first('stop') is None: return no(f"fit call {fit+1} ended before batch {k}" if not a.rc else a.why())
+        if k < every + 2:
+            return no(f"the stop (batch {k}) leaves no batch to kill at after the first resume point (batch {every})")
+        j = random.SystemRandom().randint(every+1, k-1) if kill_at is None else kill_at
+        if not every < j < k:
+            return no(f"the kill (batch {j}) must come after the first resume point (batch {every}) and before the "
+                      f"stop (batch {k})")
+        spec = dict(fit=fit, stop=k, every=every)
+        b = go('resumed', f"the script again, killed with SIGKILL after batch {j} of fit call {fit+1}", kill=j, **spec)
+        if b.first('kill') is None: return no(f"the run to kill did not reach batch {j}: {b.why()}")
+        b = go('resumed', "the script again, resuming after the kill, to the stop", **spec)
+        if b.first('stop') is None: return no(f"the resumed run did not reach batch {k}: {b.why()}")
+        resumed = next((e['resumed'] for e in b.events if e['event'] == 'started' and e['fit'] == fit), None)
+        (na,sa),(nb,sb) = _newest(a.folder, fname),_newest(b.folder, fname)
+        for n,s in ((na, sa), (nb, sb)):
+            rec = resume_record(s) if s is not None else None
+            at = None if rec is None else (rec.get('fit_index'), rec.get('train_iter'), rec.get('epoch') is None)
+            if at != (fit, k, False):
+                return no(f"the stop at batch {k} wrote no resume point there ({n or 'none'} is the newest)")
+        diffs,secs = state_diff(sa, sb),time.monotonic() - t0
+        at = f"killed after batch {j}, resumed from batch {resumed}"
+        upto = (f"batch {k}, the end of fit call {fit+1}" if k == plan['total'] else
+                f"batch {k} (the bound set; fit call {fit+1} trains {plan['total']} batches)")
+        if not diffs:
+            say(f"exact: {at}, equal at {upto} in every tensor ({_tensors(sa)} tensors, {secs:.0f} s)")
+            return 0
+        say(f"not exact: {at}; at {upto} it differs from the uninterrupted run in {len(diffs)} places: {_first(diffs)}")
+        c = go('again', "the script uninterrupted once more, to tell training that is not deterministic from a resume "
+                        "that lost something", **spec)
+        again = state_diff(sa, _newest(c.folder, fname)[1])
+        if again:
+            say(f"why: training is not deterministic here: two uninterrupted runs differ at batch {k} in {len(again)} "
+                f"places: {_first(again)}")
+            d = go('deterministic', "the script with torch.use_deterministic_algorithms(True), to name an operation "
+                                    "that has no deterministic kernel", deterministic=True, **spec)
+            if (m := re.search(r"RuntimeError: ([^\n]*does not have a deterministic implementation[^\n]*)", d.out)):
+                say(f"why: {m.group(1).split(', but you set')[0]} (torch.use_deterministic_algorithms(True) raised)")
+            say(f"fix: {_NOT_DETERMINISTIC}")
+        else:
+            say(f"why: the resume lost something: two uninterrupted runs are equal at batch {k}, the resumed one is "
+                "not")
+            for e in b.events:
+                if e['event'] == 'unkept': say(f"why: {e['text']}")
+            say(f"fix: {_LOST}")
+        keep = True
+        say(f"({time.monotonic() - t0:.0f} s; the runs' folders are in {work})")
+        return 1
+    finally:
+        if not keep: shutil.rmtree(work, ignore_errors=True)

@@ -5,14 +5,20 @@
 # %% ../nbs/05_cli.ipynb #b0837f78
 from __future__ import annotations
 import argparse, datetime, hashlib, json, os, re, signal, sys, time, warnings
-import torch
 from pathlib import Path
+
+_INTERRUPTED = "resumable-train: interrupted (Ctrl-C)"
+def _quit_on_ctrl_c(signum, frame): sys.stdout.flush(); print(_INTERRUPTED, file=sys.stderr, flush=True); os._exit(130)
+# the command, not an import of this module: a Ctrl-C while torch is imported is one line, not a traceback (see `main`)
+if Path(getattr(sys.modules['__main__'], '__file__', None) or '').name == 'resumable-train':
+    signal.signal(signal.SIGINT, _quit_on_ctrl_c)
+import torch
 from torch import nn
 from . import __version__
 from .files import (read_checkpoint, resume_record, CheckpointError, position_text, history_log_info, unpack,
                                    checkpoint_number)
 from .store import (as_store, is_url, locate, LocalStore, StoreError, read_runlog, run_story, run_summary, timeline,
-                                   clean_run)
+                                   clean_run, run_files)
 from .check import check
 
 # %% auto #0
@@ -313,16 +319,23 @@ def _from1(e:dict)->dict:
     return {**e, **{k: e[k]+1 for k in ('fit', 'epoch') if isinstance(e.get(k), int)}}
 
 # %% ../nbs/05_cli.ipynb #e1c788ea
-def _folder(d):
-    "`d`, or `d/models` when only that holds checkpoints (the folder of a `Learner`'s `path`)"
-    return d/'models' if not any(d.glob('*.pth')) and (d/'models').is_dir() else d
+def _holds_run(d:Path, fname:str)->bool:
+    "Does the folder `d` hold files of run `fname` (`run_files`, or its lock file)?"
+    return (d/f'.{fname}.lock').exists() or bool(run_files(LocalStore(d), fname))
 
-def _store(where):
-    "The store `ls` lists: a URL's, or a local folder's (see `_folder`)"
+def _folder(d:Path, fname:str='autoresume'):
+    ("`d`, or `d/models` (the folder of a `Learner`'s `path`, where `AutoResume` keeps its files) when that holds run "
+     "`fname`'s files and `d` does not, or when only that holds checkpoints")
+    m = d/'models'
+    if not m.is_dir() or _holds_run(d, fname): return d
+    return m if _holds_run(m, fname) or not any(d.glob('*.pth')) else d
+
+def _store(where, fname:str='autoresume'):
+    "The store of run `fname` that `ls`, `plot` and `clean` look in: a URL's, or a local folder's (see `_folder`)"
     if is_url(where): return as_store(where)
     d = Path(where)
     if not d.is_dir(): raise StoreError(f"{d} is not a folder" if d.exists() else f"{d} does not exist")
-    return LocalStore(_folder(d))
+    return LocalStore(_folder(d, fname))
 
 def _below(d, most:int=5)->list:
     "The folders below `d` (three levels down at most) that hold checkpoints: where `ls` may have been meant to look"
@@ -331,7 +344,7 @@ def _below(d, most:int=5)->list:
 
 def _ls(a)->int:
     try:
-        store = _store(a.dir)
+        store = _store(a.dir, a.fname)
         pths = (e for e in store.ls() if e.name.endswith('.pth'))
         entries = sorted(pths, key=lambda e: (e.modified or 0, e.name), reverse=True)
         runs = _runs(store)
@@ -417,19 +430,27 @@ def _train(folder:Path, epochs:int, kill_at:int|None=None, table:bool=True, ever
         def __init__(self, n): self.n = n
         def after_batch(self):
             if self.training and self.train_iter == self.n: sys.stdout.flush(); os.kill(os.getpid(), signal.SIGKILL)
-    learn = digits_learner(folder, cbs=[AutoResume(every_iter=every), *([_Kill(kill_at)] if kill_at else [])])
+    cbs = [AutoResume(every_iter=every, signals=('SIGTERM',)), *([_Kill(kill_at)] if kill_at else [])]  # see `_deaf`
+    learn = digits_learner(folder, cbs=cbs)
     if table: learn.fit_one_cycle(epochs, 3e-2)
     else:
         with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, 3e-2)
     (folder/'digest').write_text(weights_digest(learn.model))
+
+def _deaf(f, *args):
+    "`f(*args)` in the demo's child, deaf to Ctrl-C: the parent says it, in one line, and stops the child"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    f(*args)
 
 def _in_child(f, *args)->int:
     "Run `f(*args)` in a child process, forked where the system can; its exit status (`-9`: killed by SIGKILL)"
     import multiprocessing as mp
     sys.stdout.flush(); sys.stderr.flush()
     ctx = mp.get_context('fork' if 'fork' in mp.get_all_start_methods() else 'spawn')
-    p = ctx.Process(target=f, args=args)
-    p.start(); p.join()
+    p = ctx.Process(target=_deaf, args=(f, *args))
+    p.start()
+    try: p.join()
+    except KeyboardInterrupt: p.kill(); p.join(); raise
     return p.exitcode
 
 def _demo(a)->int:
@@ -463,11 +484,15 @@ def _demo(a)->int:
 
 # %% ../nbs/05_cli.ipynb #b83d867b
 def _clean(a)->int:
-    "`clean`: remove every file of a run (resume points, history logs, run log), so that its script starts afresh"
-    try: store = _store(a.dir); names = clean_run(store, a.fname)
+    ("`clean`: remove the files the package wrote for a run (resume points, history logs, run log, lock), so that its "
+     "script starts afresh")
+    try: store = _store(a.dir, a.fname); names,kept = clean_run(store, a.fname)
     except (StoreError, ValueError, RuntimeError, OSError) as e: return _err(e)
     print(f"removed {len(names)} file{'s'*(len(names) != 1)} of run {a.fname!r} from {store.url}"
           + (f": {', '.join(names)}" if names else ''))
+    for n,why in kept:
+        print(f"kept {_plain(n)}: not a file resumable_train wrote ({_plain(why)}); remove it yourself if it is not "
+              "yours")
     return 0
 
 def _check(a)->int:
@@ -479,7 +504,7 @@ def _check(a)->int:
 
 def _plot(a)->int:
     "`plot`: matplotlib is imported here, not when the command starts"
-    try: plot_run(_store(a.dir), a.out, fname=a.fname)
+    try: plot_run(_store(a.dir, a.fname), a.out, fname=a.fname)
     except (CheckpointError, StoreError, ValueError) as e: return _err(e)
     print(f"wrote {a.out}")
     return 0
@@ -500,6 +525,9 @@ def _parser():
     s.add_argument('dir', help="a folder of .pth files (or a Learner's path, whose models/ holds them), "
                                "or a URL (s3://bucket/run1)")
     s.add_argument('--json', action='store_true', help="print JSON, for scripts")
+    s.add_argument('--fname', default='autoresume',
+                   help="the name AutoResume was given: in a Learner's path, ls looks where its files are (default: "
+                        "%(default)s)")
     s.set_defaults(f=_ls)
     s = sub.add_parser('clean', help="remove a run's files, so that its script starts afresh")
     s.add_argument('dir', help="as for ls: a folder of resume points, a Learner's path, or a URL")
@@ -521,10 +549,19 @@ def _parser():
                         "%(default)s)")
     s.set_defaults(f=_demo)
     s = sub.add_parser('check', help="prove on your script that a killed run resumes exactly: resumable-train check -- "
-                                     "python train.py")
+                                     "python train.py",
+                       description="Run your script three times (four or five when a resume is not exact): "
+                                   "uninterrupted, killed with SIGKILL, resumed; compare the resume points bit for "
+                                   "bit. "
+                                   "It runs as you run it, in the folder you run it from, and everything a Learner "
+                                   "writes from its first fit call on (learn.save, learn.export, SaveModelCallback, "
+                                   "CSVLogger, TensorBoard logs, W&B's files, offline) goes to the check's scratch "
+                                   "folder, removed at the end unless the verdict is 'not exact'. What the script "
+                                   "writes itself, to paths of its own (open(), torch.save(), a W&B run it starts with "
+                                   "mode='online'), and what its Learner writes before its first fit call, is written "
+                                   "where the script says, at each run.")
     s.add_argument('--batches', type=int, default=None,
-                   help="stop at this training batch of the first fit call long enough (default: four resume point "
-                        "intervals in)")
+                   help="stop at this training batch of the first fit call long enough (default: at its end)")
     s.add_argument('--kill-at', type=int, default=None,
                    help="kill at this training batch (default: drawn at random after the first resume point)")
     s.add_argument('--timeout', type=float, default=900,
@@ -535,6 +572,12 @@ def _parser():
 
 def main(argv:list|None=None, # the arguments, `sys.argv[1:]` by default
         )->int:
-    "Run `resumable-train` with `argv`; returns the exit status"
-    a = _parser().parse_args(argv)
-    return a.f(a)
+    "Run `resumable-train` with `argv`; returns the exit status (130 after a Ctrl-C, said in one line)"
+    if signal.getsignal(signal.SIGINT) is _quit_on_ctrl_c: signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        a = _parser().parse_args(argv)
+        return a.f(a)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print(f"\n{_INTERRUPTED}", file=sys.stderr)  # on a line of its own, also after a progress bar's
+        return 130

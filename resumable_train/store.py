@@ -11,7 +11,8 @@ from datetime import datetime
 from pathlib import Path, PurePosixPath
 from fastcore.basics import patch
 from fastcore.foundation import L
-from .files import write_checkpoint, read_checkpoint, CheckpointError, WriteCancelled, position_text
+from .files import (write_checkpoint, read_checkpoint, CheckpointError, WriteCancelled, position_text, resume_record,
+                    history_log_info)
 
 # %% auto #0
 __all__ = ['Entry', 'MANIFEST', 'Store', 'LocalStore', 'StoreError', 'FsspecStore', 'is_url', 'as_store', 'locate', 'runlog_name',
@@ -536,20 +537,31 @@ def run_files(store, fname:str)->list:
     pat = re.compile(rf'{re.escape(fname)}(-\d+\.pth|-fit\d+\.history|\.runlog|\.reach)')
     return [e.name for e in store.ls() if pat.fullmatch(e.name)]
 
-def clean_run(store, fname:str)->list:
-    ("Remove every file of run `fname` from `store` (`run_files`, and unfinished writes), refusing while a process "
-     "trains it")
+def _not_ours(store, name:str)->str|None:
+    "Why the file `name`, named as a file of a run, is not one the package wrote (`None`: it is, as far as it can tell)"
+    try:
+        if name.endswith('.pth'):
+            if resume_record(store.load(name, mmap=store.local, history=False)) is None:
+                return "a checkpoint without a resume record"
+        elif name.endswith('.history') and store.local: history_log_info(store.where(name))
+    except (CheckpointError, ValueError, OSError) as e: return str(e).removeprefix(str(store.where(name))).strip()
+
+def clean_run(store, fname:str)->tuple:
+    ("Remove the files of run `fname` from `store` (`run_files` the package wrote, unfinished writes, its lock file), "
+     "refusing while a process trains it: the names removed, and those kept (a user's file named as one) with why")
     if store.local and _in_use(store, fname):
         raise RuntimeError(f"{store.url} is in use: a process of this machine is training run '{fname}' there; stop it "
                            "first")
     store.lock(fname)  # refuses, naming the process, while another holds it
     try:
-        names = run_files(store, fname)
+        why = {n: _not_ours(store, n) for n in run_files(store, fname)}
+        names = [n for n,w in why.items() if w is None]
         for n in names: store.remove(n)
         if store.local:
             for p in _tmp_files(store.folder, fname): p.unlink(missing_ok=True)
+            (store.folder/f'.{fname}.lock').unlink(missing_ok=True)  # held: no process can take it meanwhile
     finally: store.unlock(fname)
-    return names
+    return names, [(n, w) for n,w in why.items() if w is not None]
 
 def run_story(store, fname:str)->list:
     ("The events of run `fname`, and the kill a rerun would record now when the process that trained last is gone (a "

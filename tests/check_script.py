@@ -4,9 +4,10 @@
 DataLoader workers and random crops), `ddp` (the MLP under `DDPTrainer`, for ranks with torchrun's environment). `--defect` plants what
 makes a resume inexact: `random` (a Dataset drawing from a generator nobody seeds), `counter` (a callback whose batch counter scales the
 loss, without `state_dict`), `nondet` (an operation that says it has no deterministic kernel, drawing from an unseeded generator),
-`loader` (a DataLoader over a plain stream, which the package refuses for resume points inside an epoch), `index_add` (a layer summing
-rows with `index_add_`, which CUDA does with atomic adds: benchmarks/gpu_check.py's check 8). `--no-autoresume`: without
-`AutoResume`.
+`dict_counter` (a callback counting steps in a dict, dividing the lr
+by 10 from step 30, without `state_dict`), `loader` (a DataLoader over a plain stream, which the package refuses for resume points inside an
+epoch), `index_add` (a layer summing rows with `index_add_`, which CUDA does with atomic adds: benchmarks/gpu_check.py's check 8). `--no-autoresume`: without
+`AutoResume`. `--writers`: with every writer of a Learner's files (`SaveModelCallback`, `CSVLogger`, TensorBoard, `export`, `save`).
 """
 import argparse, random, time
 from functools import partial
@@ -21,8 +22,9 @@ from resumable_train.autoresume import AutoResume
 p = argparse.ArgumentParser()
 p.add_argument('folder')
 p.add_argument('--model', default='mlp', choices=['mlp', 'vision', 'ddp'])
-p.add_argument('--defect', default='none', choices=['none', 'random', 'counter', 'nondet', 'loader', 'index_add'])
+p.add_argument('--defect', default='none', choices=['none', 'random', 'counter', 'dict_counter', 'nondet', 'loader', 'index_add'])
 p.add_argument('--no-autoresume', action='store_true')
+p.add_argument('--writers', action='store_true')
 a = p.parse_args()
 unseeded = random.Random()  # seeded from the OS: another stream in every process
 
@@ -43,6 +45,15 @@ class Counter(Callback):
     def __init__(self): self.n = 0
     def after_loss(self):
         if self.training: self.n += 1; self.learn.loss_grad = self.learn.loss_grad*(1 + self.n/100)
+
+class DropLR(Callback):
+    "A callback of the user's: it counts the training steps in a dict and divides the lr by 10 from step 30, and keeps no state_dict"
+    order = ParamScheduler.order+1  # after the schedule's lr
+    def __init__(self): self.seen = {'steps': 0}
+    def before_batch(self):
+        if not self.training: return
+        self.seen['steps'] += 1
+        if self.seen['steps'] >= 30: self.opt.set_hyper('lr', float(self.opt.hypers[-1]['lr'])/10)
 
 class Planted(nn.Module):
     "An operation without a deterministic kernel, as CUDA's `index_add_` is: it says so, and adds noise nobody seeded"
@@ -76,7 +87,10 @@ def vision_learner_(cbs):
     return vision_learner(dls, partial(xresnet18, widen=0.25), pretrained=False, metrics=accuracy, path=a.folder, cbs=cbs)
 
 set_seed(7, reproducible=True)
-cbs = ([] if a.no_autoresume else [AutoResume(every_secs=600)]) + ([Counter()] if a.defect == 'counter' else [])
+cbs = ([] if a.no_autoresume else [AutoResume(every_secs=600)]) + dict(counter=[Counter()], dict_counter=[DropLR()]).get(a.defect, [])
+if a.writers:  # every writer of a Learner's files (fastai's WandbCallback fails in before_fit with the wandb installed here)
+    from fastai.callback.tensorboard import TensorBoardCallback
+    cbs += [SaveModelCallback(), CSVLogger(), TensorBoardCallback(trace_model=False, log_preds=False)]
 if a.model == 'ddp':
     from resumable_train.distributed import DDPTrainer
     cbs.insert(0, DDPTrainer(timeout=30))
@@ -84,4 +98,5 @@ learn = (vision_learner_ if a.model == 'vision' else mlp_learner)(cbs)
 with learn.no_bar(), learn.no_logging():
     if a.model == 'vision': learn.fine_tune(1, freeze_epochs=1)
     else: learn.fit_one_cycle(2, 1e-2)
+if a.writers: learn.export(); learn.save('final')
 print('DONE', learn.train_iter)

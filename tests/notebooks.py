@@ -52,6 +52,8 @@ _SUBS = [  # (pattern, replacement): what differs between two runs of the same n
     # the cells assert the digests that must be equal (interrupted and uninterrupted runs), and the README's MLP digest is checked by test_docs
     (r'\bweights [0-9a-f]{12}\b', 'weights DIGEST'),
     (r'\b[A-Z][a-z]{2}\d\d_\d\d-\d\d-\d\d_[\w.-]+', 'MonDD_hh-mm-ss_HOST'),  # TensorBoard's default log folder: the date and the host
+    (r'\bresumable-train-check-\w+', 'resumable-train-check-XXXXXXXX'),  # `check`'s scratch folder
+    (r'\b\d+ s([);])', r'N s\1'),  # `check`'s seconds since it started
 ]
 
 def normalise(text:str)->str:

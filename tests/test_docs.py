@@ -116,12 +116,12 @@ def test_links():
         assert not re.search(r'github\.com/resumable-train|resumable-train\.github\.io', text), "a link to a repository or site that does not exist"
 
 def _quick_start()->tuple:
-    """The README's Quick start: its code (its blocks, one after the other), and the digests it says the script ends with (uninterrupted,
-    and killed and run again)"""
+    """The README's Quick start: its code (its blocks, one after the other), and the digests it prints for the script (uninterrupted, and
+    killed and run again): placeholders, as the digest depends on the machine"""
     text = (ROOT/'README.md').read_text()
     part = text[text.index('\n## Quick start\n'):]
     part = part[:part.index('\n## ', 1)]
-    return ''.join(re.findall(r'```python\n(.*?)```', part, re.S)),re.findall(r'\nweights ([0-9a-f]{12})\n', part)
+    return ''.join(re.findall(r'```python\n(.*?)```', part, re.S)),re.findall(r'\nweights (\w+)\n', part)
 
 # The README's code without the package: its import, `AutoResume` and `weights_digest` (the same sha256, written out here)
 _STOCK = [("from resumable_train.all import *\n", ""), (", cbs=AutoResume(every_iter=20)", ""),
@@ -132,10 +132,10 @@ _STOCK = [("from resumable_train.all import *\n", ""), (", cbs=AutoResume(every_
 
 def test_quick_start(tmp_path):
     """The README's Quick start as written, in a fresh process SIGKILLed after its first resume point, then run again: the digest of the
-    same script run uninterrupted by stock fastai (a process that never imports the package). The README's digest is that of the
-    machines it was written on: MKL picks its kernels by the CPU, whatever `ATEN_CPU_CAPABILITY` says"""
+    same script run uninterrupted by stock fastai (a process that never imports the package). The digest depends on the machine
+    (MKL picks its kernels by the CPU, whatever `ATEN_CPU_CAPABILITY` says): the README shows a placeholder"""
     code,digests = _quick_start()
-    assert len(digests) == 2 and digests[0] == digests[1], digests
+    assert digests == ['DIGEST', 'DIGEST'], f"the Quick start shows a digest that depends on the machine it ran on: {digests}"
     stock = code
     for a,b in _STOCK:
         assert a in stock, f"the Quick start no longer has {a!r}"
