@@ -22,7 +22,7 @@ from .seeds import SeedBatches
 from .hooks import hide_probes, hide_progress, LeanCallback
 from .workers import WorkerStreams, keepable
 from .check import checking
-from .fitcalls import fit_plan, FitCalls, RunState, run_state, start_digest, user_stacklevel
+from .fitcalls import fit_plan, FitCalls, RunState, run_state, start_digest, user_stacklevel, learner_identity
 from .learner import *
 from .learner import bypassed
 from .store import RunLog
@@ -204,6 +204,8 @@ class AutoResume(LeanCallback):
     def current_run(self)->RunState: return run_state(self.store, self.fname)  # the run it keeps in this process
 
     # ---- the events
+    # the Learner as the script made it, before a branch that a cached stage skips changes it (`learn.lr = ...`)
+    def after_create(self): learner_identity(self.learn)
     def before_fit(self):
         if hasattr(self.learn, 'lr_finder'): self.run = False; return  # `lr_find` is not a fit call of the run
         if self.state != 'looking': return  # `validate` and `get_preds` send `before_fit` too
@@ -310,7 +312,7 @@ class AutoResume(LeanCallback):
         # at the end, the weights the next call would start from: a rerun that loads them from a cache makes that call
         starts = rs.starts[:self.fit_index+1] + ([start_digest(self.learn)] if end else [])
         modes = [m.training for m in self.learn.model.modules()]  # a fit leaves its model in eval mode after validation
-        extra = dict(fit_index=self.fit_index, fits=rs.fits, ends=ends, starts=starts,
+        extra = dict(fit_index=self.fit_index, fits=rs.fits, ends=ends, starts=starts, run_id=rs.identity,
                      **({'last_epoch': self.learn.resume.epoch, 'train_modes': modes} if end else {}))
         if end: self.ends = ends
         if not self.points.ready(stopping): return
