@@ -3,8 +3,8 @@
 `python invisible_script.py OUTDIR JOB [JOB...] [--stock]` runs each JOB (a key of `JOBS`) in turn on a tiny deterministic learner
 (scikit-learn's digits, an MLP) in the folder OUTDIR/JOB, and writes OUTDIR/JOB.pth: plain values (every model tensor, the optimizer
 state, the Recorder, `train_iter`, `lr`, `wd`, the random states, the optimizer steps, the warnings raised, the error if the
-workflow raised). With `--stock` the package is never imported: fastai as shipped. Jobs named `X_a`/`X_b`/`X_c` share OUTDIR/X (two
-scripts, or three, in one folder) and run in two invocations, `_a` first.
+workflow raised). With `--stock` the package is never imported: fastai as shipped. Jobs named `X_a` to `X_d` share OUTDIR/X (two
+scripts, or four, in one folder) and run in two invocations, `_a` first.
 """
 import os, random, subprocess, sys, traceback, warnings
 from pathlib import Path
@@ -278,6 +278,18 @@ def pair_c(d):
     learn.unfreeze(); learn.fit_one_cycle(1, slice(1e-4, 1e-3))
     return learn, {}
 
+def pair_d(d):
+    "A fourth script in that folder: `lr_find`, A's file loaded, `start_epoch`, then exported and loaded back for predictions"
+    tfms = [[ItemGetter(0)], [ItemGetter(1)]]  # as `export` needs them
+    learn = make_learner(d, dls=lambda: DataLoaders.from_dsets(Datasets(TRAIN[300:]+TRAIN[:300], tfms), Datasets(VALID, tfms), bs=64,
+                                                               num_workers=0), cbs=ar())
+    sug = learn.lr_find()
+    learn.load('pretrained'); learn.fit_one_cycle(3, start_epoch=1)
+    learn.remove_cb(learn.step_counter)  # a class of this script
+    learn.export('d.pkl')
+    preds,_ = load_learner(d/'d.pkl').get_preds(dl=learn.dls.valid)
+    return learn, dict(suggestion=tuple(map(float, sug)), loaded=dict(preds=preds))
+
 def bigger(): return nn.Sequential(body(), nn.Linear(64, 10), nn.ReLU(), nn.Linear(10, 10))
 def wider(): return nn.Sequential(nn.Sequential(nn.Linear(64, 32), nn.ReLU()), nn.Linear(32, 10))
 
@@ -337,7 +349,7 @@ def autoresume_strict(d):
 
 JOBS = {f.__name__: f for f in (course, freezeload, foreign, wdchange, xproc_a, xproc_b, bestfile_a, bestfile_b, strict, withoptnone,
                                  persistent, midsave, export, startepoch_onecycle, startepoch_flatcos, lrfind, autoresume_smc,
-                                 autoresume_ft, autoresume_course, pair_a, pair_b, pair_c, failures, failures_ar,
+                                 autoresume_ft, autoresume_course, pair_a, pair_b, pair_c, pair_d, failures, failures_ar,
                                  autoresume_eafp, autoresume_strict)}
 
 # What python hides from a user by default (fastai's `load_model` raises numpy's DeprecationWarning for `np.core` at every load)
@@ -345,7 +357,7 @@ HIDDEN = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, Resource
 
 def run_job(name, out):
     "Run one job; its result (with the error, if it raised) as plain values"
-    d = out/name.rsplit('_', 1)[0] if name.endswith(('_a', '_b', '_c')) else out/name
+    d = out/name.rsplit('_', 1)[0] if name.endswith(('_a', '_b', '_c', '_d')) else out/name
     d.mkdir(parents=True, exist_ok=True)
     STEPS[0] = 0
     MADE.clear()

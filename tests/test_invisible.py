@@ -15,7 +15,7 @@ ENV = dict(MPLBACKEND='Agg')  # `lr_find` plots
 TIMEOUT = 120  # seconds, for each process
 FIRST = ['course', 'freezeload', 'foreign', 'wdchange', 'xproc_a', 'bestfile_a', 'strict', 'withoptnone', 'persistent', 'midsave',
          'export', 'startepoch_onecycle', 'startepoch_flatcos', 'lrfind', 'pair_a', 'failures', 'failures_ar']
-SECOND = ['xproc_b', 'bestfile_b', 'pair_b', 'pair_c']  # in another process, after FIRST: they load files of the `_a` jobs
+SECOND = ['xproc_b', 'bestfile_b', 'pair_b', 'pair_c', 'pair_d']  # in another process, after FIRST: they load files of the `_a` jobs
 # the package side with AutoResume: run alone, then run again as finished scripts
 AUTORESUME = ['autoresume_smc', 'autoresume_ft', 'autoresume_course', 'autoresume_eafp', 'autoresume_strict']
 JOBS = FIRST + SECOND + AUTORESUME
