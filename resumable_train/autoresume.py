@@ -50,6 +50,8 @@ def _set_learn(self, learn):
     self.__dict__['_learn'] = learn
     if old is not None and old is not learn: old.remove_cb(look); hide_probes(old, False)
     if learn is not None and look not in learn.cbs: learn.add_cb(look)
+    # the run's identity, as the script made the Learner: before a branch that a cached stage skips (`learn.lr = ...`)
+    if learn is not None: learner_identity(learn)
 
 def _user_callback(cb)->bool:
     "Is `cb` a callback of the user's own, which keeps no state in resume points?"
@@ -204,8 +206,6 @@ class AutoResume(LeanCallback):
     def current_run(self)->RunState: return run_state(self.store, self.fname)  # the run it keeps in this process
 
     # ---- the events
-    # the Learner as the script made it, before a branch that a cached stage skips changes it (`learn.lr = ...`)
-    def after_create(self): learner_identity(self.learn)
     def before_fit(self):
         if hasattr(self.learn, 'lr_finder'): self.run = False; return  # `lr_find` is not a fit call of the run
         if self.state != 'looking': return  # `validate` and `get_preds` send `before_fit` too

@@ -202,7 +202,7 @@ def check_plan(saved, now, file, strict=False, # refuse (or warn)
 DEFAULT_HYPERS = ('lr', 'wd', 'moms', 'wd_bn_bias', 'train_bn')
 
 def learner_identity(learn)->dict:
-    ("What makes `learn` one run's Learner, taken once (`AutoResume` takes it as the Learner is created): its script's "
+    ("What makes `learn` one run's Learner, taken once (`AutoResume` takes it as it joins the Learner): its script's "
      "name (`None` in a notebook) and the default hyperparameters it was given")
     # not its model, data, loss or optimizer: the same script edited, which `check_setup` and `check_plan` name
     rs = learn.resume
