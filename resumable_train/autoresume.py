@@ -24,7 +24,7 @@ from .seeds import SeedBatches
 from .hooks import hide_probes, hide_progress, LeanCallback
 from .workers import WorkerStreams, keepable
 from .check import checking
-from .fitcalls import fit_plan, FitCalls, RunState, run_state, start_digest, user_stacklevel
+from .fitcalls import fit_plan, FitCalls, RunState, run_state, start_digest, user_stacklevel, learner_identity
 from .learner import *
 from .learner import bypassed
 from .store import RunLog
@@ -52,6 +52,8 @@ def _set_learn(self, learn):
     self.__dict__['_learn'] = learn
     if old is not None and old is not learn: old.remove_cb(look); hide_probes(old, False)
     if learn is not None and look not in learn.cbs: learn.add_cb(look)
+    # the run's identity, as the script made the Learner: before a branch that a cached stage skips (`learn.lr = ...`)
+    if learn is not None: learner_identity(learn)
 
 def _user_callback(cb)->bool:
     "Is `cb` a callback of the user's own, which keeps no state in resume points?"
@@ -328,7 +330,7 @@ class AutoResume(LeanCallback):
         # at the end, the weights the next call would start from: a rerun that loads them from a cache makes that call
         starts = rs.starts[:self.fit_index+1] + ([start_digest(self.learn)] if end else [])
         modes = [m.training for m in self.learn.model.modules()]  # a fit leaves its model in eval mode after validation
-        extra = dict(fit_index=self.fit_index, fits=rs.fits, ends=ends, starts=starts,
+        extra = dict(fit_index=self.fit_index, fits=rs.fits, ends=ends, starts=starts, run_id=rs.identity,
                      **({'last_epoch': self.learn.resume.epoch, 'train_modes': modes} if end else {}))
         if end: self.ends = ends
         if not self.points.ready(stopping): return

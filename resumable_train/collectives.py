@@ -155,8 +155,8 @@ def read_on_rank0(file, src:int=0, **kwargs)->dict:
     state,err = None,None
     if dist.get_rank() == src:
         try: state = read(file, **kwargs)
-        except CheckpointError as e: err = str(e)
+        except CheckpointError as e: err = (str(e), e.stock)  # a builtin type: sent by name
     o = [err]
     collective(lambda: dist.broadcast_object_list(o, src=src, device=group_device()), f"share {file} from rank {src}")
-    if o[0] is not None: raise CheckpointError(o[0])
+    if o[0] is not None: raise load_error(*o[0])
     return share_checkpoint(state, src)

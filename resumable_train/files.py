@@ -11,7 +11,7 @@ from fastcore.foundation import L
 
 # %% auto #0
 __all__ = ['FORMAT_VERSION', 'WriteCancelled', 'check_record', 'start_history', 'append_history', 'adopt_history',
-           'history_log_info', 'make_checkpoint', 'resume_record', 'write_checkpoint', 'CheckpointError',
+           'history_log_info', 'make_checkpoint', 'resume_record', 'write_checkpoint', 'CheckpointError', 'load_error',
            'read_checkpoint', 'position_text']
 
 # %% ../nbs/00_files.ipynb #897a49fe
@@ -521,6 +521,29 @@ if hasattr(np, '_core'): stock_safe.append(np._core.multiarray.scalar)
 # %% ../nbs/00_files.ipynb #1b71ade7
 class CheckpointError(ValueError):
     "A file that cannot be loaded as a checkpoint; the message names the file and what is wrong"
+    stock = None  # the type fastai's own `load` raises for the same failure, which this error also is (`load_error`)
+
+_errors = {}  # by stock type: each class made once, and found by its name in this module (pickle, `except`)
+
+def load_error(msg:str, # what is wrong with which file, and the fix
+               stock:type|None=RuntimeError, # the type fastai's own `load` raises for the same failure; `None`: none
+              )->CheckpointError:
+    "A `CheckpointError` saying `msg` that is also `stock`: an `except` written for stock fastai's `load` catches it"
+    if stock is None or not issubclass(stock, Exception) or issubclass(stock, CheckpointError):
+        return CheckpointError(msg)
+    cls = _errors.get(stock)
+    if cls is None:
+        name = f"Checkpoint{stock.__name__}"
+        cls = _errors[stock] = globals()[name] = type(name, (CheckpointError, stock), dict(
+            __module__=__name__, stock=stock, __str__=BaseException.__str__,  # not `KeyError`'s quotes
+            __doc__=f"A `CheckpointError` that is also the `{stock.__name__}` stock fastai raises for it"))
+    try: return cls(msg)
+    except TypeError: return CheckpointError(msg)  # a type whose constructor takes more (`UnicodeDecodeError`)
+
+# what stock fastai's `load` raises for the failures `read_checkpoint` finds: made at import, so any process unpickles
+# them
+for _t in (FileNotFoundError, IsADirectoryError, EOFError, KeyError, OSError, pickle.UnpicklingError, RuntimeError,
+           TypeError): load_error('', _t)
 
 def _in_zip(file, f):
     "`(f(z), None)` for the zip archive `z` in `file`; `(None, None)` if none; `(None, why)` if it cannot be read"
@@ -577,31 +600,33 @@ def read_checkpoint(file, map_location='cpu',
     "Load `file` with `weights_only=True`, raising `CheckpointError` that says what is wrong with it"
     file = Path(file)
     name = file if name is None else name
-    if file.is_dir(): raise CheckpointError(f"{name} is a folder, not a checkpoint file")
-    if not file.is_file(): raise CheckpointError(f"{name} does not exist")
-    if (why := _compressed(file)) is not None: raise CheckpointError(f"{name} {why}")
+    if file.is_dir(): raise load_error(f"{name} is a folder, not a checkpoint file", IsADirectoryError)
+    if not file.is_file(): raise load_error(f"{name} does not exist", FileNotFoundError)
+    if (why := _compressed(file)) is not None: raise load_error(f"{name} {why}")
     try:
         with torch.serialization.safe_globals(stock_safe), warnings.catch_warnings():
             # torch's warnings about pickle protocols: the error below says what is wrong
             warnings.simplefilter('ignore')
             mmap = mmap and zipfile.is_zipfile(file)
             state = torch.load(file, map_location=map_location, weights_only=True, mmap=mmap)
-    except Exception as e: raise CheckpointError(f"{name} {_why_unreadable(file, e)}") from e
+    except Exception as e: raise load_error(f"{name} {_why_unreadable(file, e)}", type(e)) from e
     # damaged weights would otherwise load silently
-    if (why := _damage(file)) is not None: raise CheckpointError(f"{name} {why}")
+    if (why := _damage(file)) is not None: raise load_error(f"{name} {why}")
     if not isinstance(state, dict) or not state:
-        raise CheckpointError(f"{name} holds a {type(state).__name__}, not model weights")
+        # as fastai's `load_state_dict` raises for them
+        raise load_error(f"{name} holds a {type(state).__name__}, not model weights",
+                         RuntimeError if isinstance(state, dict) else TypeError)
     rp = resume_record(state)
     if rp is None: return state
     if isinstance(rp, dict) and is_int(rp.get('version', 0)) and rp.get('version', 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{name} was written by a newer resumable_train (format {rp['version']}, "
-                              f"this one reads {FORMAT_VERSION}); upgrade the package")
+        raise load_error(f"{name} was written by a newer resumable_train (format {rp['version']}, "
+                         f"this one reads {FORMAT_VERSION}); upgrade the package")
     try: check_record(rp, state['opt'])
-    except ValueError as e: raise CheckpointError(f"{name} holds a damaged resume record ({e})") from None
+    except ValueError as e: raise load_error(f"{name} holds a damaged resume record ({e})") from None
     try:
         if history: resolve_history(rp, file)
     except ValueError as e:
-        raise CheckpointError(f"{name} {e} (or load it with with_iter=False: its weights need no history)") from None
+        raise load_error(f"{name} {e} (or load it with with_iter=False: its weights need no history)") from None
     return state
 
 # %% ../nbs/00_files.ipynb #7012e2dd

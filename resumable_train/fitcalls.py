@@ -15,7 +15,8 @@ from pathlib import Path
 from .hooks import is_a
 
 # %% auto #0
-__all__ = ['is_webdataset', 'loader_of', 'len_exact', 'run_setup', 'setup_diff', 'check_setup', 'fit_plan']
+__all__ = ['DEFAULT_HYPERS', 'is_webdataset', 'loader_of', 'len_exact', 'run_setup', 'setup_diff', 'check_setup', 'fit_plan',
+           'learner_identity']
 
 # %% ../nbs/02_fitcalls.ipynb #13b37f49
 def _arch(model)->list:
@@ -196,6 +197,21 @@ def check_plan(saved, now, file, strict=False, # refuse (or warn)
     if strict: raise CheckpointError(f"{msg}. To continue it, undo the change; to start fresh, {fresh}")
     warnings.warn(f"{msg}; {then} (strict_hypers=True refuses)", stacklevel=user_stacklevel())
 
+# %% ../nbs/02_fitcalls.ipynb #7d1e5a40
+# the Learner's defaults a fit call takes when it is not given them
+DEFAULT_HYPERS = ('lr', 'wd', 'moms', 'wd_bn_bias', 'train_bn')
+
+def learner_identity(learn)->dict:
+    ("What makes `learn` one run's Learner, taken once (`AutoResume` takes it as it joins the Learner): its script's "
+     "name (`None` in a notebook) and the default hyperparameters it was given")
+    # not its model, data, loss or optimizer: the same script edited, which `check_setup` and `check_plan` name
+    rs = learn.resume
+    if rs.identity is None:
+        main = getattr(sys.modules.get('__main__'), '__file__', None)
+        rs.identity = dict(script=main and Path(main).name,
+                           defaults={k: repr(getattr(learn, k, None)) for k in DEFAULT_HYPERS})
+    return rs.identity
+
 # %% ../nbs/02_fitcalls.ipynb #b9e795bd
 # terminal IPython numbers each run of a cell
 def _cell_file(name:str)->str: return re.sub(r'^<ipython-input-\d+-', '<ipython-input-', name)
@@ -315,6 +331,7 @@ class RunState:
     "A run's fit calls in this process, whichever `Learner` or `AutoResume` makes them"
     def __init__(self, where:str):
         self.where,self.calls,self.fits,self.ends,self.starts = where,FitCalls(),[],[],[]
+        self.identity = None  # the run's `learner_identity`, once this process knows it: its points hold it
 
     def jump(self, i:int, digest:str, rec:dict)->int:
         "The call the fit call numbered `i` is: a later one of `rec`'s run when it starts from that call's weights"

@@ -127,6 +127,7 @@ class ResumeState:
         self.rested = False
         # the run (`fitcalls.RunState`) of the last fit call made with `AutoResume`: a stage saved now belongs to it
         self.run = None
+        self.identity = None  # what makes this Learner one run's (`fitcalls.learner_identity`), taken once
         # the callbacks and their orders, and for each event the callbacks it is sent to (`callbacks`)
         self.sent = (), {}, []
         self.zeroed = False  # in a fit: `zero_grad` zeroed the gradients (after a step), not known before the first
@@ -167,13 +168,16 @@ class ResumeState:
         if self.loader is not None: self.loader.close()
         self.point,self.loader,self.rest = None,None,None
     def stage_mark(self)->dict|None:
-        "What a stage saved now between fit calls stands for: its run, and how many of the run's fit calls it follows"
-        return None if self.run is None else dict(where=self.run.where, done=self.run.calls.done)
-    def continues(self, mark:dict|None, run)->bool:
-        "Does loading a stage saved at `mark` continue `run` here: its run, at fit calls this process has not made?"
-        # in the process that saved it (or any later point of the run) the stage is a plain model file, as in fastai
+        ("What a stage saved now between fit calls stands for: its run (files and identity), and how many of the run's "
+         "fit calls it follows")
+        return None if self.run is None else dict(where=self.run.where, done=self.run.calls.done, id=self.run.identity)
+    def continues(self, mark:dict|None, run, identity:dict)->bool:
+        ("Does loading a stage saved at `mark` continue `run` here: its run (its files, and `identity`, the run's or "
+         "else the loading Learner's), at fit calls this process has not made?")
+        # in the process that saved it (or any later point of the run) the stage is a plain model file, as in fastai;
+        # another run's (another script's, in the same folder) too, and one written before runs had an identity
         if not (isinstance(mark, dict) and isinstance(mark.get('done'), int) and run is not None): return False
-        return mark.get('where') == run.where and run.calls.done < mark['done']
+        return mark.get('where') == run.where and run.calls.done < mark['done'] and mark.get('id') == identity
     def note(self, event_name:str):
         "The event being sent, and whether `zero_grad` left the gradients (a cancel may skip it; it follows a step)"
         self.event = event_name

@@ -19,7 +19,7 @@ from .hooks import short_refusals, FitEvents, fastai_code, fit_call, is_a, when_
 from .collectives import read_on_rank0, world_size
 from .point import ResumePoint, restore_rest, make_point
 from .skip import SkipToIter
-from .fitcalls import run_setup
+from .fitcalls import run_setup, learner_identity
 
 # %% auto #0
 __all__ = []
@@ -72,12 +72,12 @@ def _load_opt(opt, sd, file):
         ps = [p for pg in opt.param_lists for p in pg]
         saved = sum(1 for _ in sd['state'])
         if len(sd['hypers']) != len(opt.param_lists) or saved != len(ps):
-            raise CheckpointError(f"{file}: the optimizer state has {saved} parameters in {len(sd['hypers'])} groups; "
-                                  f"this Learner's optimizer has {len(ps)} in {len(opt.param_lists)}")
+            raise load_error(f"{file}: the optimizer state has {saved} parameters in {len(sd['hypers'])} groups; "
+                             f"this Learner's optimizer has {len(ps)} in {len(opt.param_lists)}")
         bad = [f"parameter {i} {tuple(p.shape)}: saved {k} {tuple(v.shape)}"
                for i,(p,s) in enumerate(zip(ps, sd['state']))
                for k,v in s.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape]
-        if bad: raise CheckpointError(f"{file}: the optimizer state does not match this model: {'; '.join(bad[:5])}")
+        if bad: raise load_error(f"{file}: the optimizer state does not match this model: {'; '.join(bad[:5])}")
     _put_opt(opt, sd)
 
 def _put_opt(opt, sd):
@@ -97,6 +97,16 @@ def _run_of(learn):
     if learn.resume.run is not None: return learn.resume.run
     ar = next((cb for cb in learn.cbs if callable(getattr(cb, 'current_run', None))), None)
     return None if ar is None else ar.current_run()
+
+def _continues(learn, rest:dict)->bool:
+    ("Does loading a stage with the rest point `rest` continue the run `learn` is part of here: that run's files, "
+     "identity (`learner_identity`) and fit-call boundary (`ResumeState.continues`)? It then holds that identity")
+    run = _run_of(learn)
+    if run is None: return False
+    mine = run.identity or learner_identity(learn)
+    if not learn.resume.continues(rest.get('run'), run, mine): return False
+    run.identity = mine
+    return True
 
 # %% ../nbs/02f_learner.ipynb #206f7ec2
 def world_error(file, saved, now):
@@ -180,15 +190,17 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
     hasopt,rec = set(state) == {'model','opt'},resume_record(state)
     # not a load inside a fit (`SaveModelCallback`)
     between = not self.resume.fitting or self.resume.event == 'before_fit'
-    point = with_iter and opt and between and rec is not None and rec.get('epoch') is not None
-    rest = (rec or {}).get('rest') if with_iter and opt and not self.resume.fitting else None
-    # only a stage of the run this process continues is more than a model file: see `ResumeState.continues`
-    stage = rest is not None and self.resume.continues(rest.get('run'), _run_of(self))
+    # a load into another model (`strict=False`) is a model file's, as in fastai: never a resume point's or a stage's
+    whole = with_iter and opt and strict
+    point = whole and between and rec is not None and rec.get('epoch') is not None
+    rest = (rec or {}).get('rest') if whole and not self.resume.fitting else None
+    # only a stage of the run this process continues is more than a model file: see `_continues`
+    stage = rest is not None and _continues(self, rest)
     try: get_model(self.model).load_state_dict(_model_state(self, state['model'] if hasopt else state), strict=strict)
-    except RuntimeError as e: raise CheckpointError(f"{file} does not match this Learner's model: {e}") from e
+    except RuntimeError as e: raise load_error(f"{file} does not match this Learner's model: {e}", type(e)) from e
     if opt and hasopt:
         # a resume point, an end state or a stage of this run: the optimizer must be the one that was saved
-        if point or stage or 'fit_index' in (rec or {}): _load_opt(self.opt, state['opt'], file)
+        if point or stage or strict and 'fit_index' in (rec or {}): _load_opt(self.opt, state['opt'], file)
         else: _stock_load_opt(self.opt, state['opt'], with_opt)
     elif with_opt: warnings.warn("Saved file doesn't contain an optimizer state.")
     if between:

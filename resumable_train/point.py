@@ -13,6 +13,7 @@ from .files import adopt_history, log_ref, start_history, append_history
 from .state import *
 from .state import logged_histories
 from .fitcalls import run_setup, fit_plan_once, check_setup, fit_plan, check_plan, asked_hypers
+from .fitcalls import DEFAULT_HYPERS
 from .workers import keepable
 from .loaders import check_callbacks, check_resumable, train_loader
 
@@ -221,9 +222,6 @@ def restore_end(learn, point:ResumePoint,
 
 
 # %% ../nbs/02c_point.ipynb #bcac292d
-# the Learner's defaults a fit call takes when it is not given them
-_DEFAULTS = ('lr', 'wd', 'moms', 'wd_bn_bias', 'train_bn')
-
 def _plain_default(v)->bool:
     return (v is None or isinstance(v, (bool, int, float))
             or isinstance(v, tuple) and all(isinstance(x, (int, float)) for x in v))
@@ -238,7 +236,7 @@ def rest_point(learn)->dict:
                 train_modes=[m.training for m in learn.model.modules()],
                 trainable=[p.requires_grad for p in learn.model.parameters()],
                 frozen_idx=getattr(learn.opt, 'frozen_idx', None),
-                defaults={k: v for k in _DEFAULTS if _plain_default(v := getattr(learn, k, None))},
+                defaults={k: v for k in DEFAULT_HYPERS if _plain_default(v := getattr(learn, k, None))},
                 run=learn.resume.stage_mark())  # `learn.load` puts it back only where it continues that run
 
 

@@ -11,7 +11,7 @@ from .files import *
 from .state import callback_keys
 from .collectives import read_on_rank0
 from .point import ResumePoint, restore_end
-from .fitcalls import setup_diff, check_plan, RunState, start_digest, user_stacklevel
+from .fitcalls import setup_diff, check_plan, RunState, start_digest, user_stacklevel, learner_identity
 from .learner import load_through, plan_resume
 from .store import point_at
 from .checkpoints import RunPoints, file_name, holder_rank, scan_run, record_text
@@ -87,6 +87,11 @@ class FitStart:
         # the newest valid resume point of the run, any node's
         file,state,self.src,self.points.next_num = scan_run(self.store, self.fname, self.wait)
         rec = None if file is None else resume_record(state)
+        # another run's points in the same folder (another script's, or another Learner's): this run starts afresh,
+        # numbering after them; the same run's with another setup or plan are refused or warned below
+        mine = rs.identity or learner_identity(self.learn)
+        if rec is not None and rec.get('run_id') not in (None, mine): file,state,rec = None,None,None
+        rs.identity = mine
         digest = start_digest(self.learn)
         if file is not None and rec.get('fit_index') is not None: i = rs.jump(i, digest, rec)  # a cached stage
         # the setup `identify` took as the call starts

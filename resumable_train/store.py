@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 from fastcore.basics import patch
 from fastcore.foundation import L
 from .files import (write_checkpoint, read_checkpoint, CheckpointError, WriteCancelled, position_text, resume_record,
-                    history_log_info)
+                    history_log_info, load_error)
 
 # %% auto #0
 __all__ = ['Entry', 'MANIFEST', 'Store', 'LocalStore', 'StoreError', 'FsspecStore', 'is_url', 'as_store', 'locate', 'runlog_name',
@@ -199,12 +199,13 @@ def load(self:FsspecStore, name:str, map_location='cpu', **kwargs)->dict: # `kwa
     "The checkpoint `name`, checked against its manifest; `CheckpointError` if it is incomplete or damaged"
     url,key = self.where(name),self._key(name)
     man = self._try('read', url+MANIFEST, self.fs.cat_file, key+MANIFEST, absent=None)
-    if man is None: raise CheckpointError(f"{url} has no manifest ({name}{MANIFEST}): its upload did not finish")
+    if man is None:
+        raise load_error(f"{url} has no manifest ({name}{MANIFEST}): its upload did not finish", FileNotFoundError)
     with tempfile.TemporaryDirectory(prefix='resumable_train-') as d:
         tmp = Path(d)/name
         if self._try('read', url, self.fs.get_file, key, str(tmp), absent=False) is False:
-            raise CheckpointError(f"{url} does not exist (its manifest does)")
-        if (why := _mismatch(tmp, man)) is not None: raise CheckpointError(f"{url} {why}")
+            raise load_error(f"{url} does not exist (its manifest does)", FileNotFoundError)
+        if (why := _mismatch(tmp, man)) is not None: raise load_error(f"{url} {why}")
         return read_checkpoint(tmp, map_location=map_location, name=url, **kwargs)
 
 @patch

@@ -16,6 +16,9 @@ p.add_argument('--background', action='store_true')
 p.add_argument('--sleep', type=float, default=0.0, help='seconds to sleep in each training batch')
 p.add_argument('--slow-write', type=float, default=0.0, help='seconds each checkpoint write stays unfinished')
 p.add_argument('--no-resume', action='store_true', help='stock fastai: the package never imported (the uninterrupted reference)')
+p.add_argument('--lr', type=float, default=1e-2, help="the Learner's default learning rate")
+p.add_argument('--load', help='a file to load before the fit calls (another script\'s, in the same folder)')
+p.add_argument('--save', help='a file to save after the fit calls')
 a = p.parse_args()
 if not a.no_resume: from resumable_train.autoresume import AutoResume
 
@@ -46,8 +49,9 @@ model = nn.Sequential(nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Dropout(0.2)
 cbs = [Report(), CSVLogger(append=True), EarlyStoppingCallback(patience=50), SaveModelCallback(fname='best')]
 if a.sched == 'zero': cbs.pop()  # fastai's SaveModelCallback loads its file after each fit: a fit(0) wrote none
 if not a.no_resume: cbs.append(AutoResume(every_iter=a.every, background=a.background, verbose=True))
-learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=mae, cbs=cbs, path=a.dir, lr=1e-2,
+learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=mae, cbs=cbs, path=a.dir, lr=a.lr,
                 splitter=lambda m: [list(m[0].parameters()), list(m[1].parameters())])
+if a.load: learn.load(a.load)
 with learn.no_bar():
     if a.sched == 'one_cycle': learn.fit_one_cycle(4)
     elif a.sched == 'fine_tune': learn.fine_tune(2, freeze_epochs=2)
@@ -55,6 +59,7 @@ with learn.no_bar():
     else:
         learn.fit_one_cycle(2)
         learn.fit_one_cycle(2, lr_max=3e-3)
+if a.save: learn.save(a.save)
 torch.save(plain(dict(model=learn.model.state_dict(), opt=learn.opt.state_dict()['state'], values=learn.recorder.values,
                 losses=learn.recorder.losses, steps=getattr(learn, 'steps', 0))), a.out)
 print('DONE', flush=True)

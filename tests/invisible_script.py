@@ -3,8 +3,8 @@
 `python invisible_script.py OUTDIR JOB [JOB...] [--stock]` runs each JOB (a key of `JOBS`) in turn on a tiny deterministic learner
 (scikit-learn's digits, an MLP) in the folder OUTDIR/JOB, and writes OUTDIR/JOB.pth: plain values (every model tensor, the optimizer
 state, the Recorder, `train_iter`, `lr`, `wd`, the random states, the optimizer steps, the warnings raised, the error if the
-workflow raised). With `--stock` the package is never imported: fastai as shipped. Jobs named `X_a`/`X_b` share OUTDIR/X and run in two
-invocations, `_a` first.
+workflow raised). With `--stock` the package is never imported: fastai as shipped. Jobs named `X_a` to `X_d` share OUTDIR/X (two
+scripts, or four, in one folder) and run in two invocations, `_a` first.
 """
 import os, random, subprocess, sys, traceback, warnings
 from pathlib import Path
@@ -253,16 +253,111 @@ def autoresume_ft(d):
     learn.fine_tune(3, freeze_epochs=1)
     return learn, {}
 
+def ar(): return [] if STOCK else [AutoResume()]  # the package side of a job with `AutoResume` in the Learner
+
+def pair_a(d):
+    "Issue 49's script A: its own lr and wd, a stage saved as 'pretrained' (the package side with `AutoResume`)"
+    learn = make_learner(d, lr=3e-2, wd=0.1, cbs=ar())
+    learn.fit_one_cycle(2); learn.save('pretrained')
+    return learn, {}
+
+def shifted():
+    "Other data of the same size"
+    return DataLoaders.from_dsets(TRAIN[300:]+TRAIN[:300], VALID, bs=64, num_workers=0)
+
+def pair_b(d):
+    "Issue 49's script B in A's folder: other lr, wd and data, A's file loaded, then trained: as stock B, not as A's run"
+    learn = make_learner(d, dls=shifted, lr=1e-3, wd=0., cbs=ar())
+    learn.load('pretrained'); learn.fit(2)
+    return learn, {}
+
+def pair_c(d):
+    "A third script in that folder: frozen around the load of A's file, SaveModelCallback and EarlyStopping, unfrozen"
+    learn = make_learner(d, splitter=two_groups, cbs=[SaveModelCallback(), EarlyStoppingCallback(patience=1)] + ar())
+    learn.freeze(); learn.load('pretrained'); learn.fit_one_cycle(2)
+    learn.unfreeze(); learn.fit_one_cycle(1, slice(1e-4, 1e-3))
+    return learn, {}
+
+def pair_d(d):
+    "A fourth script in that folder: `lr_find`, A's file loaded, `start_epoch`, then exported and loaded back for predictions"
+    tfms = [[ItemGetter(0)], [ItemGetter(1)]]  # as `export` needs them
+    learn = make_learner(d, dls=lambda: DataLoaders.from_dsets(Datasets(TRAIN[300:]+TRAIN[:300], tfms), Datasets(VALID, tfms), bs=64,
+                                                               num_workers=0), cbs=ar())
+    sug = learn.lr_find()
+    learn.load('pretrained'); learn.fit_one_cycle(3, start_epoch=1)
+    learn.remove_cb(learn.step_counter)  # a class of this script
+    learn.export('d.pkl')
+    preds,_ = load_learner(d/'d.pkl').get_preds(dl=learn.dls.valid)
+    return learn, dict(suggestion=tuple(map(float, sug)), loaded=dict(preds=preds))
+
+def bigger(): return nn.Sequential(body(), nn.Linear(64, 10), nn.ReLU(), nn.Linear(10, 10))
+def wider(): return nn.Sequential(nn.Sequential(nn.Linear(64, 32), nn.ReLU()), nn.Linear(32, 10))
+
+def _failing_files(m):
+    "Files `learn.load` fails on, as users meet them: a good one first (its optimizer state too), then damaged ones"
+    src = make_learner(m.parent)
+    src.create_opt(); src.save('good')
+    good = (m/'good.pth').read_bytes()
+    (m/'empty.pth').write_bytes(b'')
+    (m/'text.pth').write_text('hello, not weights\n')
+    (m/'truncated.pth').write_bytes(good[:len(good)//2])
+    (m/'garbage.pth').write_bytes(bytes(range(256))*4)
+    torch.save(Items([1]), m/'object.pth')
+    torch.save({'x': torch.zeros(1)}, m/'otherkeys.pth')
+    torch.save([1, 2], m/'list.pth')
+    (m/'folder.pth').mkdir()
+
+# each failure: (the Learner's model and splitter, the file, `load`'s keyword arguments)
+FAILURES = dict(missing=(mlp, None, 'nosuchfile', {}), empty=(mlp, None, 'empty', {}), text=(mlp, None, 'text', {}),
+                truncated=(mlp, None, 'truncated', {}), garbage=(mlp, None, 'garbage', {}), object=(mlp, None, 'object', {}),
+                folder=(mlp, None, 'folder', {}), list=(mlp, None, 'list', {}), other_keys=(mlp, None, 'otherkeys', {}),
+                shapes=(wider, None, 'good', {}), missing_keys=(bigger, None, 'good', {}),
+                strict_false=(bigger, None, 'good', dict(strict=False)), opt_groups=(mlp, two_groups, 'good', {}))
+
+def _failures(d, cbs):
+    "Each of `FAILURES` in turn: the exception's classes (most derived first), or `None`; a load that works is then trained"
+    _failing_files(d/'models')
+    raised = {}
+    for k,(model,split,file,kw) in FAILURES.items():
+        learn = make_learner(d, model=model, cbs=cbs(), **({'splitter': split} if split else {}))
+        try: learn.load(file, **kw); raised[k] = None
+        except Exception as e: raised[k] = [c.__name__ for c in type(e).__mro__]
+    learn.fit(1)
+    return learn, dict(raised=raised)
+
+def failures(d): return _failures(d, list)
+def failures_ar(d): return _failures(d, ar)
+
+def autoresume_eafp(d):
+    "Issue 49's stage cache written the EAFP way (`except FileNotFoundError`), then a fit; the package side with `AutoResume`"
+    learn = make_learner(d, cbs=ar())
+    try: learn.load('stage1')
+    except FileNotFoundError:
+        learn.fit_one_cycle(1); learn.save('stage1')
+    learn.fit(1)
+    return learn, {}
+
+def autoresume_strict(d):
+    "A cached stage loaded with `strict=False` into a larger model (a new head), then trained; run again in its folder"
+    learn = make_learner(d, cbs=ar())
+    try: learn.load('stage1')
+    except FileNotFoundError:
+        learn.fit_one_cycle(1); learn.save('stage1')
+    big = make_learner(d, model=bigger, cbs=ar())
+    big.load('stage1', strict=False); big.fit(1)
+    return big, {}
+
 JOBS = {f.__name__: f for f in (course, freezeload, foreign, wdchange, xproc_a, xproc_b, bestfile_a, bestfile_b, strict, withoptnone,
                                  persistent, midsave, export, startepoch_onecycle, startepoch_flatcos, lrfind, autoresume_smc,
-                                 autoresume_ft, autoresume_course)}
+                                 autoresume_ft, autoresume_course, pair_a, pair_b, pair_c, pair_d, failures, failures_ar,
+                                 autoresume_eafp, autoresume_strict)}
 
 # What python hides from a user by default (fastai's `load_model` raises numpy's DeprecationWarning for `np.core` at every load)
 HIDDEN = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
 
 def run_job(name, out):
     "Run one job; its result (with the error, if it raised) as plain values"
-    d = out/name.rsplit('_', 1)[0] if name.endswith(('_a', '_b')) else out/name
+    d = out/name.rsplit('_', 1)[0] if name.endswith(('_a', '_b', '_c', '_d')) else out/name
     d.mkdir(parents=True, exist_ok=True)
     STEPS[0] = 0
     MADE.clear()

@@ -119,3 +119,23 @@ def test_two_fits(refs, tmp_path):
     lines = run_to_end(d, out, '--sched', 'two')
     assert {b[0] for b in batches(lines)} == {'1'}
     same(refs['two'], out)
+
+def test_second_script_in_the_folder(tmp_path):
+    """Issue 49: script B (another lr, another schedule) loads script A's file in A's folder, both with AutoResume: B is its own run,
+    not A's continued. Uninterrupted, and killed in its second fit call then rerun, it ends as stock fastai's B; run again, it trains
+    nothing"""
+    d,out,ref = tmp_path/'run',tmp_path/'out.pth',tmp_path/'ref.pth'
+    b = ('--lr', '3e-3', '--sched', 'two', '--load', 'pretrained')
+    for f in (d, tmp_path/'ref'): run_to_end(f, tmp_path/'a.pth', '--save', 'pretrained')  # script A, in both folders
+    stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
+    try: rc,o = stock.run(SCRIPT, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90)
+    finally: stock.close()
+    assert rc == 0, o[-3000:]
+    rc,_ = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, *b, '--sleep', '0.05')
+    assert rc == -signal.SIGKILL
+    lines = run_to_end(d, out, *b)
+    assert {x[0] for x in batches(lines)} == {'1'} and any(l.startswith('AutoResume: continuing') for l in lines), ''.join(lines)[-2000:]
+    same(ref, out)
+    lines = run_to_end(d, out, *b)
+    assert batches(lines) == [] and torch.load(out, weights_only=True)['steps'] == 0
+    same(ref, out)

@@ -14,16 +14,18 @@ SCRIPT = str(TESTS/'invisible_script.py')
 ENV = dict(MPLBACKEND='Agg')  # `lr_find` plots
 TIMEOUT = 120  # seconds, for each process
 FIRST = ['course', 'freezeload', 'foreign', 'wdchange', 'xproc_a', 'bestfile_a', 'strict', 'withoptnone', 'persistent', 'midsave',
-         'export', 'startepoch_onecycle', 'startepoch_flatcos', 'lrfind']
-SECOND = ['xproc_b', 'bestfile_b']  # in another process, after FIRST: they load files of the `_a` jobs
-AUTORESUME = ['autoresume_smc', 'autoresume_ft', 'autoresume_course']  # the package side with AutoResume: run alone, then run again as finished scripts
+         'export', 'startepoch_onecycle', 'startepoch_flatcos', 'lrfind', 'pair_a', 'failures', 'failures_ar']
+SECOND = ['xproc_b', 'bestfile_b', 'pair_b', 'pair_c', 'pair_d']  # in another process, after FIRST: they load files of the `_a` jobs
+# the package side with AutoResume: run alone, then run again as finished scripts
+AUTORESUME = ['autoresume_smc', 'autoresume_ft', 'autoresume_course', 'autoresume_eafp', 'autoresume_strict']
 JOBS = FIRST + SECOND + AUTORESUME
 RERUNS = 2
 # What is compared, in this order (the first difference reported is the most telling): the job's own extras come after
 FIELDS = ('error', 'steps', 'warnings', 'model', 'opt', 'values', 'losses', 'lrs', 'train_iter', 'lr', 'wd', 'requires_grad',
           'frozen_idx', 'rng')
-EXTRAS = ('between', 'opt_after_load', 'suggestion', 'loaded')
+EXTRAS = ('between', 'opt_after_load', 'suggestion', 'loaded', 'raised')
 RERUN_FIELDS = ('error', 'model', 'between', 'opt', 'values')  # a rerun that trains nothing: the end state of the run, as stock's
+RERUN_WARNS = {'autoresume_strict'}  # reruns that warn as stock's run did (the load with strict=False: issue 49)
 
 def _start_stock(out, jobs):
     "Stock fastai in a real process of its own session, its output in a file (a pipe nobody reads would stop it)"
@@ -105,12 +107,25 @@ def _differences(ref, got, fields):
     out = []
     for k in fields:
         if k not in ref and k not in got: continue
-        if k == 'error' and got.get(k) != ref.get(k):
+        if k == 'raised': out += _raised_differently(ref[k], got[k])
+        elif k == 'error' and got.get(k) != ref.get(k):
             out.append(f"error: stock {_raised(ref.get(k))} vs the package {_raised(got.get(k))}")
         elif k == 'warnings' and got.get(k) != ref.get(k):
             out.append(f"warnings: stock {ref.get(k)} vs package {got.get(k)}")
         else: out += _diff(ref.get(k), got.get(k), k)
     return out
+
+def _raised_differently(ref:dict, got:dict)->list:
+    "The failures where the package's exception is not of the type stock fastai raised (a subclass of it is: issue 49)"
+    return [f"raised[{k}]: stock {(r or ['nothing'])[0]} vs package {' > '.join((got[k] or ['nothing'])[:4])}"
+            for k,r in ref.items() if (r is None) != (got[k] is None) or r and r[0] not in got[k]]
+
+def exception_table(runs)->str:
+    "Issue 49's table: each failure of `learn.load`, the type stock fastai raises, the package's (without, with AutoResume)"
+    ref,plain,ar = (runs[side][job]['raised'] for side,job in (('stock', 'failures'), ('package', 'failures'), ('package', 'failures_ar')))
+    name = lambda r: 'nothing (warns)' if r is None else r[0]
+    rows = [f"| {k} | {name(r)} | {name(plain[k])} | {name(ar[k])} |" for k,r in ref.items()]
+    return '\n'.join(['| failure | stock fastai | package | package, AutoResume |', '|---|---|---|---|', *rows])
 
 def _check_stock(job, ref):
     "The stock side is the reference: it must itself have worked"
@@ -137,6 +152,13 @@ def test_finished_script_rerun(runs, job, n):
     "A job with AutoResume run again after its end (package side): trains nothing, ends as stock's run ended"
     ref,got = runs['stock'][job],runs['reruns'][n-1][job]
     _check_stock(job, ref)
-    diffs = _differences(ref, got, RERUN_FIELDS)
+    diffs = _differences(ref, got, RERUN_FIELDS + (('warnings',) if job in RERUN_WARNS else ()))
     if got['steps']: diffs.insert(0, f"steps: 0 expected (a finished script run again trains nothing), got {got['steps']}")
     assert not diffs, f"{job} rerun {n}: {len(diffs)} differences (stock vs package), first:\n" + '\n'.join(diffs[:8])
+
+def test_exception_table(runs):
+    "Each failure raises, with the package (and with AutoResume), a type stock fastai's `except` catches: printed as issue 49's table"
+    print(exception_table(runs))
+    for job in ('failures', 'failures_ar'):
+        diffs = _raised_differently(runs['stock'][job]['raised'], runs['package'][job]['raised'])
+        assert not diffs, f"{job}: " + '\n'.join(diffs)
