@@ -60,7 +60,9 @@ def _user_callback(cb)->bool:
     mod = type(cb).__module__.partition('.')[0]
     return mod not in ('fastai', 'fastprogress', 'resumable_train') and not has_state(cb)
 
-_OPAQUE = object()  # what the watch does not look into (files, functions, modules, the Learner): never a change
+_OPAQUE = object()  # what the watch does not look into (files, functions, modules, the Learner, bars): never a change
+
+def _shown(v)->bool: return type(v).__module__.partition('.')[0] == 'fastprogress'  # a progress bar: what is shown
 _MOST = 10_000  # items of a container the watch copies: a longer one is watched by its length
 
 def _snapshot(v, depth:int=4):
@@ -69,7 +71,8 @@ def _snapshot(v, depth:int=4):
     if v is None or isinstance(v, (bool, int, float, complex, str, bytes)): return v
     if isinstance(v, torch.Tensor): return v.detach().clone()
     if type(v).__module__ == 'numpy': return torch.as_tensor(v).clone() if v.dtype != object else _OPAQUE
-    if depth == 0 or callable(v) or isinstance(v, (Learner, nn.Module, io.IOBase, ModuleType)): return _OPAQUE
+    if depth == 0 or callable(v) or isinstance(v, (Learner, nn.Module, io.IOBase, ModuleType)) or _shown(v):
+        return _OPAQUE
     if isinstance(v, (dict, list, tuple, set, frozenset)) and len(v) > _MOST: return [type(v).__name__, len(v)]
     if isinstance(v, dict): return {k: _snapshot(x, depth-1) for k,x in v.items()}
     if isinstance(v, (set, frozenset)): return ['set', *sorted(map(repr, v))]

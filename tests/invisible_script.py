@@ -328,21 +328,23 @@ def _failures(d, cbs):
 def failures(d): return _failures(d, list)
 def failures_ar(d): return _failures(d, ar)
 
-def autoresume_eafp(d):
-    "Issue 49's stage cache written the EAFP way (`except FileNotFoundError`), then a fit; the package side with `AutoResume`"
+def _eafp_stage(d):
+    "Issue 49's stage cache written the EAFP way (`except FileNotFoundError`); the package side with `AutoResume`"
     learn = make_learner(d, cbs=ar())
     try: learn.load('stage1')
     except FileNotFoundError:
         learn.fit_one_cycle(1); learn.save('stage1')
+    return learn
+
+def autoresume_eafp(d):
+    "The EAFP stage cache, then a fit"
+    learn = _eafp_stage(d)
     learn.fit(1)
     return learn, {}
 
 def autoresume_strict(d):
-    "A cached stage loaded with `strict=False` into a larger model (a new head), then trained; run again in its folder"
-    learn = make_learner(d, cbs=ar())
-    try: learn.load('stage1')
-    except FileNotFoundError:
-        learn.fit_one_cycle(1); learn.save('stage1')
+    "The stage loaded with `strict=False` into a larger model (a new head), then trained; run again in its folder"
+    _eafp_stage(d)
     big = make_learner(d, model=bigger, cbs=ar())
     big.load('stage1', strict=False); big.fit(1)
     return big, {}

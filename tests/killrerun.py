@@ -29,6 +29,26 @@ class Draws(Callback):
     def after_batch(self):
         if self.training: random.random(); np.random.rand()
 
+def say(what):
+    "Print `what`, and slow down there when the test kills the script (`KILLRERUN_SLEEP`), so that a kill can land in that window"
+    print(what, flush=True)
+    if os.environ.get('KILLRERUN_SLEEP'): time.sleep(4*float(os.environ['KILLRERUN_SLEEP']))
+
+class Windows(Callback):
+    "Say `VALID` at each epoch's first validation batch, and `END` once every callback's `after_epoch` ran: windows to kill in"
+    order = 10_000
+    def after_batch(self):
+        if not self.training and self.iter == 0: say('VALID')
+    def after_epoch(self): say('END')
+
+def nth(word:str, n:int):
+    "The `n`-th line that is `word`, for `run_until(until=...)` (counted by each call's own list: make one for each run)"
+    seen = []
+    def until(line):
+        if line.strip() == word: seen.append(line)
+        return len(seen) == n and line.strip() == word
+    return until
+
 def plain(o):
     "`o` as `torch.load(weights_only=True)` reads it, without the package (a stock run's script imports none of it)"
     if isinstance(o, torch.Tensor): return o.detach().cpu().as_subclass(torch.Tensor)
@@ -127,6 +147,19 @@ def same_as_stock(stock_out, ref_out):
     "Assert the uninterrupted run with AutoResume (`ref_out`) is bitwise stock fastai's (`stock_out`), optimizer steps included"
     d = compare(stock_out, ref_out, keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters', 'steps'))
     assert not d, f"AutoResume changed an uninterrupted run: {len(d)} differences from stock fastai, first:\n" + '\n'.join(d[:10])
+
+def stock_reference(forker, stock, tmp_path, script, args, keys=None)->list:
+    """Run `script tmp_path/ref.pth ARGS` in `ref/` with `AutoResume`, and `--no-resume` in `stock/` as stock fastai (a process that
+    never imports the package): the same bits and steps (`keys`: which results to compare); the batches it trained"""
+    for d in ('ref', 'stock'): (tmp_path/d).mkdir()
+    ref = batches(run_to_end(forker, script, [tmp_path/'ref.pth', *args], cwd=tmp_path/'ref'))
+    rc,out = stock.run(script, tmp_path/'stock.pth', *args, '--no-resume', timeout=120, cwd=tmp_path/'stock')
+    assert rc == 0, f"stock fastai exited {rc}:\n{out[-3000:]}"
+    if keys is None: same_as_stock(tmp_path/'stock.pth', tmp_path/'ref.pth')
+    else:
+        d = compare(tmp_path/'stock.pth', tmp_path/'ref.pth', keys=keys)
+        assert not d, f"AutoResume changed an uninterrupted run: {len(d)} differences from stock fastai:\n" + '\n'.join(d[:10])
+    return ref
 
 def kill_and_rerun(forker, script, args, folder, out, kills, timeout=120, env=None):
     """Run `script args` in `folder` killed by SIGKILL after each number of batches in `kills` (counted in that run), then to its end,

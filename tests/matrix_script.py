@@ -8,13 +8,13 @@ imported). Lines for a test to kill the script at: `VALID` at each epoch's first
 `after_epoch`, as a user scores uncertainty each epoch). The result (`save_result`) holds, beside the weights, the optimizer and the
 `Recorder`: the random streams at the end, and every plain attribute (numbers, strings, tensors) of each fastai callback.
 """
-import argparse, os, random, time
+import argparse, random
 from functools import partialmethod
 import numpy as np, torch
 from torch import nn
 from fastai.basics import *
 from fastai.callback.all import *
-from killrerun import Report, plain, save_result
+from killrerun import Report, Windows, plain, save_result, say
 
 CBS = {'csv': lambda: CSVLogger(), 'graph': lambda: ShowGraphCallback(), 'stats': lambda: ActivationStats(),
        'save': lambda: SaveModelCallback(), 'early': lambda: EarlyStoppingCallback(),
@@ -27,18 +27,6 @@ p.add_argument('out')
 p.add_argument('--cb', required=True, choices=list(CBS))
 p.add_argument('--no-resume', action='store_true', help='stock fastai: the package never imported')
 a = p.parse_args()
-
-def say(what):
-    "Say where the script is, and slow down there when the test kills it, so that a kill can land in that window"
-    print(what, flush=True)
-    if os.environ.get('KILLRERUN_SLEEP'): time.sleep(4*float(os.environ['KILLRERUN_SLEEP']))
-
-class Windows(Callback):
-    "Say `VALID` at each epoch's first validation batch, and `END` after every callback's `after_epoch`"
-    order = 10_000
-    def after_batch(self):
-        if not self.training and self.iter == 0: say('VALID')
-    def after_epoch(self): say('END')
 
 class Uncertainty(Callback):
     "Score the validation set with dropout on (`MCDropoutCallback`) at each epoch's end"

@@ -19,13 +19,13 @@ callback makes inside an event, and `VALID` at each epoch's first validation bat
   `predict` in `before_validate`, `get_preds` with `MCDropoutCallback` in `after_validate` (a call inside a training batch
   leaves fastai's loop in validation mode for the rest of the epoch: not a shape users write).
 """
-import argparse, os, time
+import argparse
 from pathlib import Path
 import torch
 from torch import nn
 from fastai.basics import *
 from fastai.callback.all import *
-from killrerun import Report, save_result
+from killrerun import Report, Windows, save_result, say
 
 p = argparse.ArgumentParser()
 p.add_argument('out')
@@ -41,16 +41,6 @@ x = torch.randn(96, 1)
 items = [(x[i], 2*x[i]+1) for i in range(96)]
 dls = DataLoaders.from_dsets(items[:72], items[72:], bs=8, after_item=[noise], num_workers=0, device='cpu')
 test_dl = dls.test_dl(items[72:], with_labels=True)
-
-def say(what):
-    "Say where the script is, and slow down there when the test kills it, so that a kill can land in that window"
-    print(what, flush=True)
-    if os.environ.get('KILLRERUN_SLEEP'): time.sleep(4*float(os.environ['KILLRERUN_SLEEP']))
-
-class Windows(Callback):
-    "Say `VALID` at each epoch's first validation batch"
-    def after_batch(self):
-        if not self.training and self.iter == 0: say('VALID')
 
 class Nested(Callback):
     "Call the Learner inside `after_epoch`, as the shape says"

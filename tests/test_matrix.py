@@ -10,8 +10,7 @@ import signal
 import pytest
 from forked import Forker
 from helpers import TESTS
-from killrerun import run_until, run_to_end, batches, compare, snapshot
-from test_owned import nth
+from killrerun import run_until, run_to_end, batches, compare, nth, snapshot, stock_reference
 
 SCRIPT = str(TESTS/'matrix_script.py')
 KEYS = ('model', 'opt', 'values', 'losses', 'lrs', 'iters', 'streams', 'cbs')
@@ -37,12 +36,7 @@ def forker(): return Forker(('fastai.basics', 'fastai.callback.all', 'resumable_
 @pytest.mark.parametrize('cb', CBS)
 def test_callback_in_every_window(forker, stock, tmp_path, cb):
     "Stock-equal uninterrupted; killed in each window and rerun: the uninterrupted run's bits; a rerun after the end: nothing"
-    for d in ('ref', 'stock'): (tmp_path/d).mkdir()
-    ref = batches(run_to_end(forker, SCRIPT, [tmp_path/'ref.pth', '--cb', cb], cwd=tmp_path/'ref'))
-    rc,out = stock.run(SCRIPT, tmp_path/'stock.pth', '--cb', cb, '--no-resume', timeout=120, cwd=tmp_path/'stock')
-    assert rc == 0, f"stock fastai exited {rc}:\n{out[-3000:]}"
-    d = compare(tmp_path/'stock.pth', tmp_path/'ref.pth', keys=(*KEYS, 'steps'))
-    assert not d, f"AutoResume changed an uninterrupted run: {len(d)} differences from stock fastai, first:\n" + '\n'.join(d[:10])
+    ref = stock_reference(forker, stock, tmp_path, SCRIPT, ['--cb', cb], keys=(*KEYS, 'steps'))
     assert len(ref) == N_BATCHES.get(cb, len(ref) if cb == 'early' else 36), f"{len(ref)} batches"
     for i,(w,kill) in enumerate(windows(cb).items()):
         run = tmp_path/w

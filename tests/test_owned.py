@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest, torch
 from forked import Forker
 from helpers import TESTS
-from killrerun import run_until, run_to_end, batches, compare, same_as_stock, snapshot
+from killrerun import run_until, run_to_end, batches, compare, nth, snapshot, stock_reference
 
 SCRIPT = str(TESTS/'owned_script.py')
 SLOW = {'KILLRERUN_SLEEP': '0.05'}  # time for a kill to land in the window the script says it is in
@@ -22,22 +22,9 @@ def forker():
     "The session's forker (fastai imported once), with fastai's GAN module too: the `gan` shape's runs import it no more"
     return Forker(('fastai.basics', 'fastai.callback.all', 'resumable_train.all', 'fastai.vision.all', 'fastai.callback.tensorboard'))
 
-def nth(word:str, n:int):
-    "The `n`-th line that is `word`, for `run_until(until=...)`"
-    seen = []
-    def until(line):
-        if line.strip() == word: seen.append(line)
-        return len(seen) == n and line.strip() == word
-    return until
-
 def reference(forker, stock, tmp_path, shape):
     "The uninterrupted run with `AutoResume` and stock fastai's: the same bits and steps; the batches it trained"
-    for d in ('ref', 'stock'): (tmp_path/d).mkdir()
-    ref = batches(run_to_end(forker, SCRIPT, [tmp_path/'ref.pth', '--shape', shape], cwd=tmp_path/'ref'))
-    rc,out = stock.run(SCRIPT, tmp_path/'stock.pth', '--shape', shape, '--no-resume', timeout=120, cwd=tmp_path/'stock')
-    assert rc == 0, f"stock fastai exited {rc}:\n{out[-3000:]}"
-    same_as_stock(tmp_path/'stock.pth', tmp_path/'ref.pth')
-    return ref
+    return stock_reference(forker, stock, tmp_path, SCRIPT, ['--shape', shape])
 
 def killed(forker, tmp_path, shape, sig=signal.SIGKILL, **kw):
     "Run the shape in `tmp_path/run` and stop it by `sig` where `kw` says (`stop_after`, `until`); its exit code and lines"
