@@ -128,9 +128,11 @@ class Probe(Callback):
         _say('END', self.learn._rs_call)
 
 class Scorer(Callback):
-    "Call the Learner inside `after_epoch`, itself removed (issue 48): `get_preds`, `validate` or `one_batch`"
+    ("Call the Learner inside a fit call's `after_epoch`, itself removed (issue 48): `get_preds`, `validate` or "
+     "`one_batch` (not in a `validate` of the script's: fastai's then waits forever)")
     def __init__(self, how): self.how = how
     def after_epoch(self):
+        if not getattr(self.learn, '_rs_fitting', False): return
         learn = self.learn
         with learn.removed_cbs(self):
             if self.how == 'get_preds': learn.get_preds()
