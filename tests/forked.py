@@ -146,18 +146,19 @@ class StockForker:
 
     def run(self, script, *args, timeout, env=None, cwd=None):
         "Run `script` to its end in a child of the stock server (killed after `timeout` seconds); returns `(returncode, output)`"
-        log = os.path.join(tempfile.mkdtemp(), 'out')
-        req = dict(script=str(script), args=list(map(str, args)), env=env or {}, cwd=str(cwd) if cwd else None, log=log)
-        self.p.stdin.write(json.dumps(req) + '\n'); self.p.stdin.flush()
-        pid = int(self._line(30))
-        try: rc = int(self._line(timeout))
-        except subprocess.TimeoutExpired:
-            os.killpg(pid, signal.SIGKILL)
-            rc = int(self._line(30))
-        finally:
-            try: os.killpg(pid, signal.SIGKILL)  # workers the child left behind
-            except (ProcessLookupError, PermissionError): pass
-        with open(log) as f: return rc, f.read()
+        with tempfile.TemporaryDirectory(prefix='stock-run-') as d:  # the child's output, gone once read
+            log = os.path.join(d, 'out')
+            req = dict(script=str(script), args=list(map(str, args)), env=env or {}, cwd=str(cwd) if cwd else None, log=log)
+            self.p.stdin.write(json.dumps(req) + '\n'); self.p.stdin.flush()
+            pid = int(self._line(30))
+            try: rc = int(self._line(timeout))
+            except subprocess.TimeoutExpired:
+                os.killpg(pid, signal.SIGKILL)
+                rc = int(self._line(30))
+            finally:
+                try: os.killpg(pid, signal.SIGKILL)  # workers the child left behind
+                except (ProcessLookupError, PermissionError): pass
+            with open(log) as f: return rc, f.read()
 
     def close(self):
         try: os.killpg(self.p.pid, signal.SIGKILL)

@@ -10,6 +10,7 @@ export OMP_NUM_THREADS=1 PYTHONHASHSEED=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHON
 if [ "${1:-}" = --update-outputs ]; then python tests/notebooks.py --update; nbdev-clean; exit; fi
 start=$(date +%s)
 logs=$(mktemp -d); trap 'rm -rf "$logs"' EXIT
+export TORCHINDUCTOR_CACHE_DIR="$logs/inductor"  # torch's compile cache, which it would leave in the system's temporary folder
 snap() { git status --porcelain -- nbs resumable_train; git diff -- nbs resumable_train | sha1sum; sha1sum $(git ls-files --others --exclude-standard -- nbs resumable_train) /dev/null; }
 before=$(snap)
 nbdev-clean
