@@ -15,7 +15,7 @@ from pathlib import Path
 from .hooks import is_a
 
 # %% auto #0
-__all__ = ['DEFAULT_HYPERS', 'is_webdataset', 'loader_of', 'len_exact', 'run_setup', 'setup_diff', 'check_setup', 'fit_plan',
+__all__ = ['DEFAULT_HYPERS', 'is_webdataset', 'loader_of', 'run_setup', 'setup_diff', 'check_setup', 'fit_plan',
            'learner_identity']
 
 # %% ../nbs/02_fitcalls.ipynb #13b37f49
@@ -41,7 +41,7 @@ def loader_of(dl):
     p = getattr(dl, 'pipeline', None) if is_webdataset(dl) else None
     return p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], torch.utils.data.DataLoader) else dl
 
-def len_exact(dl)->bool:
+def _len_exact(dl)->bool:
     "Is `len(dl)` the number of batches each epoch holds (a map-style dataset), not a hint (a stream's `__len__`)?"
     ds = getattr(dl, 'dataset', None)
     return ds is None or hasattr(ds, '__getitem__') and not isinstance(ds, torch.utils.data.IterableDataset)
@@ -56,7 +56,7 @@ def run_setup(learn, n_epoch:int,
                 n_items=getattr(dl, 'n', None) or len(dl.dataset),
                 n_params=sum(p.numel() for p in learn.model.parameters()),
                 schedule=learn.resume.schedule, world_size=num_distrib() or 1, model=_arch(learn.model),
-                **({} if len_exact(dl) else {'len_estimate': True}),
+                **({} if _len_exact(dl) else {'len_estimate': True}),
                 **({'trainable_params': sum(p.numel() for p in learn.model.parameters() if p.requires_grad)} if start
                    else {}))
 

@@ -13,7 +13,7 @@ import numpy as np, torch
 from fastcore.basics import GetAttr
 from fastai.data.load import DataLoader
 from .state import *
-from .fitcalls import loader_of, is_webdataset, len_exact
+from .fitcalls import loader_of, is_webdataset
 from .hooks import is_a, internal
 
 # %% ../nbs/02b_loaders.ipynb #a1f0c006
@@ -179,7 +179,7 @@ def _unpatch(o, old:dict):
 class TrainLoader:
     ("The one owner of a fit call's training DataLoader (`learn.resume.loader`): the only code that patches it, or "
      "the loaders beside it, and that undoes every patch however the call ends; where its epoch started (the random "
-     "streams and its state), its workers' streams, whether its `len()` is exact; its part of a resume point")
+     "streams and its state), its workers' streams; its part of a resume point")
     def __init__(self, learn=None): self.learn,self.held,self.epoch_start,self.workers = learn,{},None,None
     @property
     def dl(self): return None if self.learn is None else self.learn.dls.train  # a trainer may give it its shard
@@ -202,8 +202,6 @@ class TrainLoader:
         "Undo every patch still held (a fit call that an exception or a stop ended skipped the phases' ends)"
         for k in list(self.held): self.unpatch(k)
 
-    @property
-    def exact(self)->bool: return len_exact(self.dl)  # `len()` is the batches of an epoch, not a stream's hint
     def start_epoch(self):
         "What decides the epoch starting now: the random streams, and the loader's own state"
         self.epoch_start = dict(torch=torch.get_rng_state(), rng=rng_state(), loader=LoaderState(self.dl).state_dict())
@@ -215,9 +213,6 @@ class TrainLoader:
         es,w = self.epoch_start,self.workers
         return dict(sd, epoch=None if es is None else es['loader'], **loader_record(self.dl),
                     workers=None if w is None else w.state(it - w.first))
-    def load_state_dict(self, sd:dict):
-        "Put back the loader's random stream and state (`state_dict` at an epoch's end)"
-        LoaderState(self.dl).load_state_dict(sd)
     def load_epoch_start(self, start:dict, # `epoch_start` without the loader's state, as a resume point keeps it
                          sd:dict): # `state_dict` inside the epoch
         "Put the loader as the resumed epoch started, and keep that start for the next resume points in it"
