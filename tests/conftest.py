@@ -2,9 +2,10 @@
 import re
 import pytest, torch
 from forked import Forker, stock_server
-from helpers import LIBRARY_WARNINGS, quiet_library_warnings
+from helpers import LIBRARY_WARNINGS, own_temporary_folder, quiet_library_warnings
 
 quiet_library_warnings()  # the processes the tests start
+own_temporary_folder('resumable-train-tests-')  # what the processes the tests start and kill leave, removed at the end
 
 def pytest_configure(config):
     "pytest's own filters for `LIBRARY_WARNINGS` (it puts its filters back around collection and each test)"

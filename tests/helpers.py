@@ -15,6 +15,20 @@ LIBRARY_WARNINGS = [
      "fastai.tabular sets a pandas option that pandas 3 deprecates (a Pandas4Warning)"),
 ]
 
+def own_temporary_folder(prefix:str)->str:
+    """Point the system's temporary folder (`TMPDIR`) of this process and its children at a new folder of its own, removed when this
+    process exits; returns it. A process the tests kill cannot clean up (DataLoader workers' `pymp-*`, torchrun's `torchelastic_*`, a
+    killed script's `TemporaryDirectory`): what it leaves goes there, so the tests leave nothing in the system's temporary folder. A
+    process whose parent made one already (`RESUMABLE_TRAIN_TMPDIR`) uses that one and leaves it to the parent."""
+    import atexit, shutil, tempfile
+    if os.environ.get('RESUMABLE_TRAIN_TMPDIR') == os.environ.get('TMPDIR') != None: return os.environ['TMPDIR']
+    d = tempfile.mkdtemp(prefix=prefix)
+    os.environ['TMPDIR'] = os.environ['RESUMABLE_TRAIN_TMPDIR'] = d
+    tempfile.tempdir = None  # `tempfile` reads TMPDIR again
+    pid = os.getpid()
+    atexit.register(lambda: os.getpid() == pid and shutil.rmtree(d, ignore_errors=True))  # not in forked children
+    return d
+
 def quiet_library_warnings():
     "Filter `LIBRARY_WARNINGS` in this process and, through PYTHONWARNINGS, in the processes it starts"
     for msg,cat,_ in LIBRARY_WARNINGS: warnings.filterwarnings('ignore', re.escape(msg), getattr(builtins, cat))

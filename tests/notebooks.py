@@ -194,7 +194,9 @@ def main():
         os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], dict(os.environ, PYTHONHASHSEED='0', OMP_NUM_THREADS='1'))
     nbs = [n.resolve() for n in a.notebooks] or (ROOT/'nbs').glob('*.ipynb')
     os.chdir(ROOT)
-    from helpers import quiet_library_warnings
+    from helpers import own_temporary_folder, quiet_library_warnings
+    tmp = own_temporary_folder('resumable-train-nbs-')  # what the notebooks' examples leave there goes with it
+    _SUBS.insert(0, (re.escape(tmp), '/tmp'))  # a path there reads as the system's own
     quiet_library_warnings()  # installed libraries' warnings that the package does not cause, as in pytest
     import nbdev.test, IPython, torch, pandas, matplotlib.pyplot, PIL.Image, fastcore.all, fastprogress.fastprogress  # once, for the forks
     import fastai.basics, fastai.callback.all, fastai.text.all, fastai.tabular.all, fastai.vision.all  # fastai too (see the docstring)
