@@ -138,7 +138,10 @@ DistributedTrainer = DDPTrainer  # 0.2.0's name, importable by name only: outsid
 @patch
 def _call(self:RankGate, event_name):
     "Run the event on this rank's callbacks; hold back stops until all ranks take them together"
-    if self.learn.resume.depth: return self.dispatch(event_name)  # a call inside an event: not the fit call's
+    if self.learn.resume.depth:  # a call inside an event: not the fit call's
+        try: return self.dispatch(event_name)
+        finally:  # its `after_fit` sets every callback's `run` back (fastai's `Callback.__call__`): rank-0 ones stay off
+            if event_name == 'after_fit': self._silence()
     self._restore_rank_rng()
     try:
         with contextlib.redirect_stdout(self.null) if self.rank else contextlib.nullcontext(): self.dispatch(event_name)
@@ -160,13 +163,18 @@ def _call(self:RankGate, event_name):
 def _start_gate(self:RankGate):
     "For this fit call: other ranks silent, without rank-0 callbacks or logger, and every event through `_call`"
     learn = self.learn
-    if self.rank:
-        learn.logger = noop
-        for cb in learn.cbs:
-            if _rank0_only(cb, self.rank0_cbs): cb.run = False
+    if self.rank: learn.logger = noop
+    self._silence()
     self.fitting,self.stop,self.gate_secs,self.null = True,False,0.,open(os.devnull, 'w')
     self.dispatch,learn._call_one = learn._call_one,self._call
     self.learn_backward,learn._backward = learn._backward,self._gated_backward
+
+@patch
+def _silence(self:RankGate):
+    "On ranks other than 0: the callbacks that run on rank 0 alone do not run"
+    if not self.rank: return
+    for cb in self.learn.cbs:
+        if _rank0_only(cb, self.rank0_cbs): cb.run = False
 
 @patch
 def _release(self:RankGate):

@@ -30,6 +30,8 @@ p.add_argument('--fp16', action='store_true')          # learn.to_fp16() (on a C
 p.add_argument('--no-gate', action='store_true')      # for timing only: skip the stop all-reduce (stops then are not coordinated)
 p.add_argument('--cached', action='store_true')       # a first fit call of 1 epoch cached as the stage `stage1`, loaded when found,
                                                       # then a draw, and the fit call of `--epochs`, the only one `--kill-at` counts in
+p.add_argument('--nested', type=int, default=0)       # a callback scores a shuffled copy of the validation set with `get_preds` in
+                                                      # each `after_epoch`; this rank (1: rank 0, 2: rank 1) killed inside it in epoch 2
 args = p.parse_args()
 out = Path(args.out); (out/'run').mkdir(parents=True, exist_ok=True)
 rank = int(os.environ.get('RANK', 0))
@@ -112,6 +114,15 @@ class Test(Callback):
     def after_epoch(self):
         if rank == 0 and self.epoch == args.stop_rank0_at: raise CancelFitException()
 
+class Score(Callback):
+    "`--nested`: `get_preds` inside `after_epoch` (the `FetchPredsCallback` pattern), over a shuffled loader: it draws"
+    order = 97
+    def after_epoch(self):
+        learn,kill = self.learn,rank == args.nested - 1 and self.epoch == 1
+        class Kill(Callback):
+            def after_batch(self): os.kill(os.getpid(), signal.SIGKILL)  # inside the call, at its first batch
+        with learn.removed_cbs(self): learn.scores = learn.get_preds(dl=learn.dls.valid.new(shuffle=True), cbs=[Kill()] if kill else [])
+
 trainer = DDPTrainer(timeout=args.timeout)
 if args.no_gate: trainer._agree = lambda stop: stop
 set_seed(0)
@@ -126,6 +137,7 @@ model = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 
 torch.manual_seed(1000 + rank)   # each rank its own random streams (dropout), which a resume must give back to each
 test = Test()
 cbs = [trainer, test, CSVLogger(), SaveModelCallback(every_epoch=True)] + ([SetEpoch()] if args.source else [])
+cbs += [Score()] if args.nested else []
 cbs += [AutoResume(every_iter=args.every or None, every_secs=args.every_secs or None, elastic=args.elastic,
                   replay=args.source == 'replay_gen')] if args.every or args.every_secs else []
 dls = train_data(dls)
@@ -147,7 +159,8 @@ except SystemExit as e:
 secs = time.perf_counter() - start
 where = dict(epoch=learn.epoch, n_epoch=learn.n_epoch, pct_train=learn.pct_train)   # as fit left them (validate moves them)
 writes.on = False
-learn.remove_cbs([CSVLogger, AutoResume, SaveModelCallback])   # `validate` runs their fit events, which would write (model_0.pth)
+# `validate` runs their fit events, which would write (model_0.pth); `Score`'s `get_preds` inside `validate` waits forever (stock too)
+learn.remove_cbs([CSVLogger, AutoResume, SaveModelCallback, Score])
 res = dict(model={k: v.clone() for k, v in learn.model.state_dict().items()}, values=learn.recorder.values, train_iter=learn.train_iter,
            epochs=len(learn.recorder.values), validate=list(learn.validate()), writes=list(writes), secs=secs,
            gate_secs=trainer.gate_secs, world_size=trainer.world_size, trained=test.trained, **where)

@@ -174,6 +174,19 @@ def test_cached_stage_kill_relaunch(forker, tmp_path):
     res = ranks(forker, run, '--every', '3', '--cached', '--epochs', '2')
     assert_same_run(results(ref), results(run))
 
+@pytest.mark.parametrize('who', [1, 2])
+def test_nested_call_kill_relaunch(forker, tmp_path, who):
+    """A callback that calls `get_preds` over a shuffled loader in each `after_epoch`, under DDPTrainer: one rank killed inside that call
+    in epoch 2 (rank 0, then rank 1), relaunched: bitwise the uninterrupted run, the call neither ending the fit call nor moving it"""
+    ref,run = tmp_path/'ref',tmp_path/'run'
+    ranks(forker, ref, '--every', '3', '--nested', '3')  # no rank 2: nothing killed
+    assert_same_run(*[[r] for r in results(ref)])
+    res = ranks(forker, run, '--every', '3', '--nested', str(who), ok=False)
+    assert res[who-1][0] == -signal.SIGKILL and res[2-who][0] != 0, why(res)
+    res = ranks(forker, run, '--every', '3', '--nested', '3')
+    assert 'AutoResume: continuing from' in res[0][1], why(res)
+    assert_same_run(results(ref), results(run))
+
 def test_hung_rank(forker, tmp_path):
     "A rank that hangs (SIGSTOP) rather than dies: rank 0 fails with a clear error within the process-group timeout"
     secs = 5
