@@ -261,6 +261,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                 'resumable_train/distributed.py'),
                                              'resumable_train.distributed.RankGate._restore_rank_rng': ( 'distributed.html#rankgate._restore_rank_rng',
                                                                                                          'resumable_train/distributed.py'),
+                                             'resumable_train.distributed.RankGate._silence': ( 'distributed.html#rankgate._silence',
+                                                                                                'resumable_train/distributed.py'),
                                              'resumable_train.distributed.RankGate._start_gate': ( 'distributed.html#rankgate._start_gate',
                                                                                                    'resumable_train/distributed.py'),
                                              'resumable_train.distributed.RankGate._where': ( 'distributed.html#rankgate._where',

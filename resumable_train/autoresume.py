@@ -264,10 +264,14 @@ class AutoResume(LeanCallback):
     def after_train(self): self._hold_signals(False)  # a phase without batches
     def after_validate(self): self._hold_signals(False)
 
+    # a resume point of a batch's or an epoch's end once every callback has seen the event: one ordered after this one
+    # (a user's, at its default order or later) may draw, or change its state, there
     def after_batch(self):
         # attributes read here straight from the Learner: through `GetAttr` each read costs a few µs
         learn = self.learn
-        if not (self.state == 'training' and learn.training): return
+        if self.state == 'training' and learn.training: learn.resume.then = self._batch_end
+    def _batch_end(self):
+        learn = self.learn
         train_iter = learn.train_iter
         if self.check is not None and self.check.due(self.fit_index, train_iter):
             self.stop_signals(signal.SIGTERM, None)  # `resumable-train check`'s stop
@@ -281,7 +285,8 @@ class AutoResume(LeanCallback):
         elif due: self._save(periodic=True)
 
     def after_epoch(self):
-        if self.state != 'training': return
+        if self.state == 'training': self.learn.resume.then = self._epoch_end
+    def _epoch_end(self):
         if stop := agree(self.stop_signals.signum): self._stop(stop)
         else: self._save()
 

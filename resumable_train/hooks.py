@@ -139,6 +139,9 @@ class ResumeState:
         self.loads = 0  # calls of the package's `Learner.load`: `load_through` checks that a subclass's reaches it
         # this rank's random streams in the point being put back, which rank 0's replace there until the event ends
         self.rank_rng = None
+        # what the running event of the fit call does once every callback has seen it (`AutoResume`'s resume point at
+        # `after_batch` and `after_epoch`: it holds what callbacks ordered after it did there), unless one raised
+        self.then = None
     # `learn.export`: a Learner loaded with `load_learner` starts with no resume state
     def __getstate__(self): return {}
     def __setstate__(self, d): self.__init__()
@@ -242,7 +245,9 @@ def _call_one(self:Learner, event_name):
     rs.depth = depth+1
     try:
         for cb in rs.callbacks(self.cbs, event_name, depth > 0): cb(event_name)
+    except BaseException: rs.then = None; raise
     finally: rs.depth = depth
+    if not depth and (then := rs.then) is not None: rs.then = None; then()
 Learner._call_one._fastai = _fastai['_call_one']
 
 class LeanCallback(Callback):

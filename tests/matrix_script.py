@@ -21,7 +21,7 @@ CBS = {'csv': lambda: CSVLogger(), 'graph': lambda: ShowGraphCallback(), 'stats'
        'plateau': lambda: ReduceLROnPlateau(), 'nan': lambda: TerminateOnNaNCallback(), 'accum': lambda: GradientAccumulation(),
        'clip': lambda: GradientClip(), 'bnfreeze': lambda: BnFreeze(), 'mixup': lambda: MixUp(), 'cutmix': lambda: CutMix(),
        'channels': lambda: ChannelsLast(), 'short': lambda: ShortEpochCallback(), 'mcdropout': None, 'cancels': None,
-       'cancel-fit': None}
+       'cancel-fit': None, 'late': None}
 p = argparse.ArgumentParser()
 p.add_argument('out')
 p.add_argument('--cb', required=True, choices=list(CBS))
@@ -34,6 +34,18 @@ class Uncertainty(Callback):
         learn = self.learn
         with learn.removed_cbs(self): learn.scores = learn.get_preds(dl=learn.dls.valid, cbs=MCDropoutCallback())[0].sum()
         say('NESTED')
+
+class Late(Callback):
+    "A user's callback ordered after `AutoResume`, which draws at each batch's and epoch's end: its draws are in the resume points"
+    order = 100
+    def after_batch(self):
+        if not self.training: return
+        if self.train_iter % 3 == 0: say('LATE')  # after `AutoResume`'s periodic point would be written at its own place
+        self.learn.drawn = torch.rand(1)
+    def after_epoch(self):
+        say('LATE_EPOCH')
+        learn = self.learn
+        with learn.removed_cbs(self): learn.scores = learn.get_preds(dl=learn.dls.valid.new(shuffle=True))[0].sum()
 
 # `cancels`: each `Cancel*Exception` raised in each event where fastai's loop catches it, at `(epoch, iter)` (`None`: any);
 # validation's batches are told by `valid` (the event's phase); 12 epochs
@@ -68,7 +80,7 @@ dls = DataLoaders.from_dsets(items[:72], items[72:], bs=8, num_workers=0, device
 model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.3),
                       nn.Linear(8, 2))
 if a.cb == 'bnfreeze': model[1].requires_grad_(False)  # a frozen body's BatchNorm, whose statistics BnFreeze keeps
-cb = (Uncertainty() if a.cb == 'mcdropout' else Cancels(CANCELS) if a.cb == 'cancels'
+cb = (Uncertainty() if a.cb == 'mcdropout' else Late() if a.cb == 'late' else Cancels(CANCELS) if a.cb == 'cancels'
       else Cancels([(2, 4, 'after_batch', 'fit')]) if a.cb == 'cancel-fit' else CBS[a.cb]())
 ar = []
 if not a.no_resume:

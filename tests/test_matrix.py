@@ -15,15 +15,16 @@ from killrerun import run_until, run_to_end, batches, compare, nth, snapshot, st
 SCRIPT = str(TESTS/'matrix_script.py')
 KEYS = ('model', 'opt', 'values', 'losses', 'lrs', 'iters', 'streams', 'cbs')
 CBS = ['csv', 'graph', 'stats', 'save', 'early', 'plateau', 'nan', 'accum', 'clip', 'bnfreeze', 'mixup', 'cutmix', 'channels',
-       'short', 'mcdropout', 'cancels', 'cancel-fit']
+       'short', 'mcdropout', 'cancels', 'cancel-fit', 'late']
 # the windows: inside epoch 2 (its 5th batch; `short` trains 2 batches an epoch: epoch 2's 1st; `cancels`: after each of several
 # batches, around its cancels), in epoch 2's validation, after epoch 2's end, and inside the `get_preds` a callback makes in epoch
-# 2's `after_epoch`
+# 2's `after_epoch`; `late`: inside a callback ordered after `AutoResume` at the 15th batch's end (a periodic point's) and at epoch 2's end, before its draws
 def windows(cb)->dict:
     "The windows `cb` is killed in, by name (each `nth` counts its own lines: new for each test)"
     ws = dict(inside=dict(stop_after=13), valid=dict(until=nth('VALID', 2)), end=dict(until=nth('END', 2)))
     if cb == 'mcdropout': ws['nested'] = dict(until=nth('NESTED', 2))
     if cb == 'short': ws['inside'] = dict(stop_after=3)
+    if cb == 'late': ws.update(late=dict(until=nth('LATE', 5)), late_epoch=dict(until=nth('LATE_EPOCH', 2)))
     if cb == 'cancels': ws.update({f'inside{n}': dict(stop_after=n) for n in (7, 22, 31, 40, 47)})
     return ws
 # the batches each trains uninterrupted: 4 epochs of 9; `short`: 2 an epoch; `cancels`: 12 epochs, their cancels; `cancel-fit`: it
