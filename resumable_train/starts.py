@@ -69,7 +69,7 @@ class FitStart:
                  say=print, # says where the fit call starts (`AutoResume` on rank 0, when verbose)
                 ):
         store_attr()
-        self.points.store,self.points.run = store,run
+        self.points.store,self.points.run,self.points.fname = store,run,fname
         # the rank whose node holds the newest resume point; a finished call's end state (file, checkpoint), its epoch
         self.src,self.end_state,self.end_point,self.last_epoch = 0,None,None,None
     @property

@@ -19,6 +19,7 @@ p.add_argument('--no-resume', action='store_true', help='stock fastai: the packa
 p.add_argument('--lr', type=float, default=1e-2, help="the Learner's default learning rate")
 p.add_argument('--load', help='a file to load before the fit calls (another script\'s, in the same folder)')
 p.add_argument('--save', help='a file to save after the fit calls')
+p.add_argument('--tag', default='', help="a suffix for the script's own files (best, history.csv): another script's in the folder")
 a = p.parse_args()
 if not a.no_resume: from resumable_train.autoresume import AutoResume
 
@@ -46,7 +47,8 @@ Path(a.dir).mkdir(parents=True, exist_ok=True)
 set_seed(11, reproducible=True)
 dls = synth_dbunch(bs=8, n_train=6, n_valid=2)
 model = nn.Sequential(nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Dropout(0.2)), nn.Linear(16, 1))
-cbs = [Report(), CSVLogger(append=True), EarlyStoppingCallback(patience=50), SaveModelCallback(fname='best')]
+sfx = f'-{a.tag}' if a.tag else ''
+cbs = [Report(), CSVLogger(f'history{sfx}.csv', append=True), EarlyStoppingCallback(patience=50), SaveModelCallback(fname=f'best{sfx}')]
 if a.sched == 'zero': cbs.pop()  # fastai's SaveModelCallback loads its file after each fit: a fit(0) wrote none
 if not a.no_resume: cbs.append(AutoResume(every_iter=a.every, background=a.background, verbose=True))
 learn = Learner(dls, model, loss_func=MSELossFlat(), metrics=mae, cbs=cbs, path=a.dir, lr=a.lr,

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest, torch
 import killrerun as kr
 from forked import StockForker
-from helpers import TESTS, diff_values
+from helpers import TESTS, diff_values, package_files
 
 SCRIPT = str(TESTS/'autoresume_script.py')
 
@@ -120,18 +120,25 @@ def test_two_fits(refs, tmp_path):
     assert {b[0] for b in batches(lines)} == {'1'}
     same(refs['two'], out)
 
+def own_files(lines)->str:
+    "The name of its files that a script in another run's folder says it keeps (issue 49)"
+    said = [l for l in lines if "are another run's" in l]
+    assert said, ''.join(lines)[-2000:]
+    return re.search(r'keeps its own as (\S+)-\*\.pth', said[0]).group(1)
+
 def test_second_script_in_the_folder(tmp_path):
     """Issue 49: script B (another lr, another schedule) loads script A's file in A's folder, both with AutoResume: B is its own run,
-    not A's continued. Uninterrupted, and killed in its second fit call then rerun, it ends as stock fastai's B; run again, it trains
-    nothing"""
-    d,out,ref = tmp_path/'run',tmp_path/'out.pth',tmp_path/'ref.pth'
+    not A's continued, in files of its own; A's are left byte for byte. Uninterrupted, and killed in its second fit call then rerun, B
+    ends as stock fastai's B; run again, it trains nothing; A run again trains nothing and writes nothing"""
+    d,out,ref,a_out = tmp_path/'run',tmp_path/'out.pth',tmp_path/'ref.pth',tmp_path/'a.pth'
     b = ('--lr', '3e-3', '--sched', 'two', '--load', 'pretrained')
-    for f in (d, tmp_path/'ref'): run_to_end(f, tmp_path/'a.pth', '--save', 'pretrained')  # script A, in both folders
+    for f in (d, tmp_path/'ref'): run_to_end(f, a_out, '--save', 'pretrained')  # script A, in both folders
+    a_files = package_files(d/'models')
     stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
     try: rc,o = stock.run(SCRIPT, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90)
     finally: stock.close()
     assert rc == 0, o[-3000:]
-    rc,_ = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, *b, '--sleep', '0.05')
+    rc,lines = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, *b, '--sleep', '0.05')
     assert rc == -signal.SIGKILL
     lines = run_to_end(d, out, *b)
     assert {x[0] for x in batches(lines)} == {'1'} and any(l.startswith('AutoResume: continuing') for l in lines), ''.join(lines)[-2000:]
@@ -139,3 +146,38 @@ def test_second_script_in_the_folder(tmp_path):
     lines = run_to_end(d, out, *b)
     assert batches(lines) == [] and torch.load(out, weights_only=True)['steps'] == 0
     same(ref, out)
+    assert package_files(d/'models') == a_files, "B left A's files as they were"
+    mine = own_files(lines)
+    assert (d/'models'/f'{mine}.runlog').exists() and list((d/'models').glob(f'{mine}-*.pth'))
+    a_ref = torch.load(a_out, weights_only=True)
+    lines = run_to_end(d, a_out, '--save', 'pretrained')  # A again: finished, it trains nothing and writes nothing of the package's
+    assert batches(lines) == [] and torch.load(a_out, weights_only=True)['steps'] == 0, ''.join(lines)[-2000:]
+    assert not diff_values(a_ref['model'], torch.load(a_out, weights_only=True)['model'])
+    assert package_files(d/'models') == a_files
+
+def test_killed_script_then_another(refs, tmp_path):
+    """Issue 49: script A killed in its second fit call, then script B (another lr) in the same folder: B trains as stock fastai's B, in
+    files of its own, and leaves A's byte for byte; A run again continues exactly, as the uninterrupted A; B run again trains nothing"""
+    d,a_out,b_out,ref = tmp_path/'run',tmp_path/'a.pth',tmp_path/'b.pth',tmp_path/'ref.pth'
+    b = ('--lr', '3e-3', '--tag', 'b')
+    stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
+    try: rc,o = stock.run(SCRIPT, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90)
+    finally: stock.close()
+    assert rc == 0, o[-3000:]
+    rc,_ = run_until(d, a_out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, '--sched', 'two',
+                     '--sleep', '0.05')
+    assert rc == -signal.SIGKILL
+    a_files = package_files(d/'models')
+    lines = run_to_end(d, b_out, *b)
+    assert len(batches(lines)) == refs['one_cycle_batches'] and not any('continuing' in l for l in lines), ''.join(lines)[-2000:]
+    same(ref, b_out)
+    assert package_files(d/'models') == a_files, "B left A's files as they were"
+    mine = own_files(lines)
+    lines = run_to_end(d, b_out, *b)
+    assert batches(lines) == [] and torch.load(b_out, weights_only=True)['steps'] == 0
+    same(ref, b_out)
+    lines = run_to_end(d, a_out, '--sched', 'two')
+    assert {x[0] for x in batches(lines)} == {'1'} and any(l.startswith('AutoResume: continuing') for l in lines), ''.join(lines)[-2000:]
+    assert not any("another run's" in l for l in lines)
+    same(refs['two'], a_out)
+    assert list((d/'models').glob(f'{mine}-*.pth')) and (d/'models'/f'{mine}.runlog').exists(), "A left B's files"
