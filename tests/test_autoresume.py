@@ -1,12 +1,13 @@
 "Kill a training script that uses AutoResume (SIGKILL, SIGTERM, during a write), rerun it: it ends bitwise where an uninterrupted run ends."
-import random, re, signal
+import random, re, signal, sys
 from pathlib import Path
 import pytest, torch
 import killrerun as kr
 from forked import StockForker
-from helpers import TESTS, diff_values, package_files
+from helpers import TESTS, diff_values, package_files, run
 
 SCRIPT = str(TESTS/'autoresume_script.py')
+CLI = str(Path(sys.executable).parent/'resumable-train')
 
 FORKER = None  # set by the `_forker` fixture: the script runs in children forked from the test process (see forked.py)
 
@@ -181,3 +182,9 @@ def test_killed_script_then_another(refs, tmp_path):
     assert not any("another run's" in l for l in lines)
     same(refs['two'], a_out)
     assert list((d/'models').glob(f'{mine}-*.pth')) and (d/'models'/f'{mine}.runlog').exists(), "A left B's files"
+    rc,out,err = run([CLI, 'ls', d], 60)  # both runs, each with its identity
+    assert rc == 0 and f'run autoresume (autoresume.runlog):\n  run of script autoresume_script.py, Learner(lr=0.01,' in out, out + err
+    assert f'run {mine} ({mine}.runlog):\n  run of script autoresume_script.py, Learner(lr=0.003,' in out, out
+    a_files = package_files(d/'models')
+    rc,out,err = run([CLI, 'clean', d, '--fname', mine], 60)  # B's files alone
+    assert rc == 0 and package_files(d/'models') == a_files and not list((d/'models').glob(f'{mine}*')), out + err
