@@ -52,7 +52,7 @@ def _set_learn(self, learn):
     self.__dict__['_learn'] = learn
     if old is not None and old is not learn: old.remove_cb(look); hide_probes(old, False)
     if learn is not None and look not in learn.cbs: learn.add_cb(look)
-    # the run's identity, as the script made the Learner: before a branch that a cached stage skips (`learn.lr = ...`)
+    # the run's identity, where `after_create` did not take it (a Learner made before the package was imported)
     if learn is not None: learner_identity(learn)
 
 def _from_rank0(o):

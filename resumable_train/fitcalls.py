@@ -12,13 +12,12 @@ from fastai.torch_core import num_distrib, get_model
 from .files import *
 from .state import *
 from pathlib import Path
-from .hooks import is_a
+from .hooks import is_a, made_identity
 from .store import read_runlog, runlog_identity, run_files
 from .checkpoints import newest_valid
 
 # %% auto #0
-__all__ = ['DEFAULT_HYPERS', 'is_webdataset', 'loader_of', 'run_setup', 'setup_diff', 'check_setup', 'fit_plan',
-           'learner_identity']
+__all__ = ['is_webdataset', 'loader_of', 'run_setup', 'setup_diff', 'check_setup', 'fit_plan', 'learner_identity']
 
 # %% ../nbs/02_fitcalls.ipynb #13b37f49
 def _arch(model)->list:
@@ -200,18 +199,12 @@ def check_plan(saved, now, file, strict=False, # refuse (or warn)
     warnings.warn(f"{msg}; {then} (strict_hypers=True refuses)", stacklevel=user_stacklevel())
 
 # %% ../nbs/02_fitcalls.ipynb #7d1e5a40
-# the Learner's defaults a fit call takes when it is not given them
-DEFAULT_HYPERS = ('lr', 'wd', 'moms', 'wd_bn_bias', 'train_bn')
-
 def learner_identity(learn)->dict:
-    ("What makes `learn` one run's Learner, taken once (`AutoResume` takes it as it joins the Learner): its script's "
-     "name (`None` in a notebook) and the default hyperparameters it was given")
+    ("What makes `learn` one run's Learner, taken once, as fastai made it (`after_create`; else as `AutoResume` joins "
+     "it): its script's name (`None` in a notebook) and the default hyperparameters it was given (`made_identity`)")
     # not its model, data, loss or optimizer: the same script edited, which `check_setup` and `check_plan` name
     rs = learn.resume
-    if rs.identity is None:
-        main = getattr(sys.modules.get('__main__'), '__file__', None)
-        rs.identity = dict(script=main and Path(main).name,
-                           defaults={k: repr(getattr(learn, k, None)) for k in DEFAULT_HYPERS})
+    if rs.identity is None: rs.identity = made_identity(learn)  # a Learner made before the package was imported
     return rs.identity
 
 # %% ../nbs/02_fitcalls.ipynb #b9e795bd
@@ -356,9 +349,12 @@ _run_states = {}  # by folder or URL, and fname
 
 def _url(store)->str: return store.url if not getattr(store, 'local', False) else os.path.abspath(store.url)
 
-def run_state(store, fname:str)->RunState:
-    "The `RunState` of the run `fname` in `store` in this process"
-    return _run_states.setdefault((_url(store), fname), RunState(f"{_url(store)}/{fname}"))
+def run_at(where:str)->RunState:
+    "The `RunState` of the run whose files are `where` (`RunState.where`: folder or URL, then name) in this process"
+    url,_,fname = where.rpartition('/')
+    return _run_states.setdefault((url, fname), RunState(where))
+
+def run_state(store, fname:str)->RunState: return run_at(f"{_url(store)}/{fname}")  # the run `fname` in `store`
 
 
 # %% ../nbs/02_fitcalls.ipynb #a49c0002

@@ -13,7 +13,7 @@ from .files import adopt_history, log_ref, start_history, append_history
 from .state import *
 from .state import logged_histories
 from .fitcalls import run_setup, fit_plan_once, check_setup, fit_plan, check_plan, asked_hypers
-from .fitcalls import DEFAULT_HYPERS
+from .hooks import DEFAULT_HYPERS
 from .workers import keepable
 from .loaders import check_callbacks, check_resumable, train_loader
 

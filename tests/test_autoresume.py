@@ -188,3 +188,16 @@ def test_killed_script_then_another(refs, tmp_path):
     a_files = package_files(d/'models')
     rc,out,err = run([CLI, 'clean', d, '--fname', mine], 60)  # B's files alone
     assert rc == 0 and package_files(d/'models') == a_files and not list((d/'models').glob(f'{mine}*')), out + err
+
+@pytest.mark.parametrize('per_call', [False, True])
+def test_cached_stage_whose_branch_sets_lr(tmp_path, per_call):
+    """A stage cached with save and load, whose branch (skipped in a rerun) sets `learn.lr`, then a fit call killed and rerun: the rerun
+    continues exactly, with AutoResume in the Learner or given to each fit call (issue 49: the identity is the Learner's as it was made)"""
+    args = ('--sched', 'stage', *(['--per-call'] if per_call else []))
+    ref,d,out = tmp_path/'ref.pth',tmp_path/'run',tmp_path/'out.pth'
+    run_to_end(tmp_path/'ref', ref, *args)
+    rc,_ = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:4] == ['1', '0', '3'], signal.SIGKILL, *args, '--sleep', '0.05')
+    assert rc == -signal.SIGKILL
+    lines = run_to_end(d, out, *args)
+    assert any(l.startswith('AutoResume: continuing') for l in lines) and len(batches(lines)) < 12, ''.join(lines)[-2000:]
+    same(ref, out)
