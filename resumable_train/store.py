@@ -699,7 +699,8 @@ def run_summary(events:list)->dict:
 def identity_text(run:dict)->str:
     "A run's identity (`fitcalls.learner_identity`) in words: its script and its Learner's defaults"
     script = f"script {run['script']}" if run.get('script') else "no script (a notebook)"
-    return f"{script}, Learner({', '.join(f'{k}={v}' for k,v in (run.get('defaults') or {}).items())})"
+    defaults = run.get('defaults') if isinstance(run.get('defaults'), dict) else {}  # a log's text: checked
+    return f"{script}, Learner({', '.join(f'{k}={v}' for k,v in defaults.items())})"
 
 def timeline(events:list)->list:
     "The events as lines of text, the run's identity first (where its story has it), with a summary last"
