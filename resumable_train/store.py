@@ -429,8 +429,8 @@ def _read(store, name:str)->bytes:
     if d is not None:
         try: return (d/name).read_bytes()
         except FileNotFoundError: return b''
-    key = f'{store.path}/{name}'
-    return store.fs.cat_file(key) if store.fs.exists(key) else b''
+    # retried where it may pass, a refusal (credentials, a missing bucket) said in one `StoreError`, as every read
+    return store._try('read', store.where(name), store.fs.cat_file, f'{store.path}/{name}', absent=b'')
 
 def _add(store, name:str, data:bytes):
     "Append `data` to `name`: appended and fsynced in a folder; a remote object (no appends there) written anew"
