@@ -177,10 +177,13 @@ class ResumeState:
         self.start_epoch,self.start_iter,self.first_iter = 0,0,0
         if self.loader is not None: self.loader.close()
         self.point,self.loader,self.rest = None,None,None
-    def stage_mark(self)->dict|None:
+    def stage_mark(self, per_call:bool=False, # no `AutoResume` in the Learner: it is given to each fit call
+                  )->dict|None:
         ("What a stage saved now between fit calls stands for: its run (files and identity), and how many of the run's "
          "fit calls it follows")
-        return None if self.run is None else dict(where=self.run.where, done=self.run.calls.done, id=self.run.identity)
+        if self.run is None: return None
+        return dict(where=self.run.where, done=self.run.calls.done, id=self.run.identity,
+                    **({'per_call': True} if per_call else {}))
     def continues(self, mark:dict|None, run, identity:dict)->bool:
         ("Does loading a stage saved at `mark` continue `run` here: its run (its files, and `identity`, the run's or "
          "else the loading Learner's), at fit calls this process has not made?")

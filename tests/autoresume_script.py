@@ -20,9 +20,11 @@ p.add_argument('--lr', type=float, default=1e-2, help="the Learner's default lea
 p.add_argument('--load', help='a file to load before the fit calls (another script\'s, in the same folder)')
 p.add_argument('--save', help='a file to save after the fit calls')
 p.add_argument('--per-call', action='store_true', help='AutoResume given to each fit call, not to the Learner')
+p.add_argument('--no-ar', action='store_true', help='the package imported, but no AutoResume: the same script without it')
 p.add_argument('--tag', default='', help="a suffix for the script's own files (best, history.csv): another script's in the folder")
 a = p.parse_args()
 if not a.no_resume: from resumable_train.autoresume import AutoResume
+if a.no_ar: a.no_resume = True  # the package imported, as it is
 
 if a.slow_write:
     import resumable_train.state as st

@@ -201,3 +201,18 @@ def test_cached_stage_whose_branch_sets_lr(tmp_path, per_call):
     lines = run_to_end(d, out, *args)
     assert any(l.startswith('AutoResume: continuing') for l in lines) and len(batches(lines)) < 12, ''.join(lines)[-2000:]
     same(ref, out)
+
+def test_stage_without_autoresume_loads_as_fastai(tmp_path):
+    """The same script run again without `AutoResume` (the package imported) in the folder of a run that had it in the Learner: its
+    `learn.load` of the run's cached stage loads as fastai's (weights and optimizer), not the run's random state and lr: stock's bits"""
+    import shutil
+    from forked import StockForker
+    args = ('--sched', 'stage')
+    run_to_end(tmp_path/'a', tmp_path/'a.pth', *args)
+    shutil.copytree(tmp_path/'a', tmp_path/'b')
+    run_to_end(tmp_path/'a', tmp_path/'mine.pth', *args, '--no-ar')
+    stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
+    try: rc,o = stock.run(SCRIPT, '--dir', tmp_path/'b', '--out', tmp_path/'stock.pth', *args, '--no-resume', timeout=90)
+    finally: stock.close()
+    assert rc == 0, o[-3000:]
+    same(tmp_path/'stock.pth', tmp_path/'mine.pth')
