@@ -24,12 +24,12 @@ from .seeds import SeedBatches
 from .hooks import hide_probes, hide_progress, LeanCallback
 from .workers import WorkerStreams, keepable
 from .check import checking
-from .fitcalls import fit_plan, FitCalls, RunState, run_state, start_digest, user_stacklevel, learner_identity
+from .fitcalls import fit_plan, FitCalls, RunState, run_state, start_digest, user_stacklevel, learner_identity, run_name
 from .learner import *
 from .learner import bypassed
-from .store import RunLog
+from .store import RunLog, identity_text
 import torch.distributed as dist
-from .collectives import agree
+from .collectives import agree, collective, group_device
 from .loaders import allow_replay, check_callbacks, check_resumable, keep_buffers, loader_kind, train_loader
 from .checkpoints import RunPoints, Writer, file_name
 from .signals import SIGNALS, StopSignals, WorkerSignals
@@ -52,8 +52,14 @@ def _set_learn(self, learn):
     self.__dict__['_learn'] = learn
     if old is not None and old is not learn: old.remove_cb(look); hide_probes(old, False)
     if learn is not None and look not in learn.cbs: learn.add_cb(look)
-    # the run's identity, as the script made the Learner: before a branch that a cached stage skips (`learn.lr = ...`)
+    # the run's identity, where `after_create` did not take it (a Learner made before the package was imported)
     if learn is not None: learner_identity(learn)
+
+def _from_rank0(o):
+    "Rank 0's `o` on every rank of the process group: one answer where the nodes' folders differ"
+    box = [o]
+    collective(lambda: dist.broadcast_object_list(box, src=0, device=group_device()), "agree on the run's file names")
+    return box[0]
 
 def _user_callback(cb)->bool:
     "Is `cb` a callback of the user's own, which keeps no state in resume points?"
@@ -180,7 +186,7 @@ class AutoResume(LeanCallback):
         if (c := checking()) is not None: return as_store(c.dir)  # `resumable-train check`'s scratch folder
         return as_store(self.learn.path/self.learn.model_dir if self.dir is None else self.dir)
     @property
-    def log(self)->str: return f'{self.fname}-fit{self.fit_index+1}.history'  # the per-batch history of the fit call
+    def log(self)->str: return f'{self.run_fname}-fit{self.fit_index+1}.history'  # the fit call's per-batch history
 
     def _say(self, msg, own_line=False):
         if not self.verbose or rank_distrib(): return
@@ -209,10 +215,12 @@ class AutoResume(LeanCallback):
             keep_buffers(self.dls.train, inside=bool(self.every_iter or self.every_secs))  # its content in its state
             # refuse, before the first batch, a loader that no run could continue inside an epoch
             if self.every_iter or self.every_secs: loader_kind(self.dls.train)
+            other = self._run_name(share=self.group)[1]
             self.run_state = self.learn.resume.run = self.current_run()  # a stage saved after this call belongs to it
+            if other is not None and not self.run_state.calls.calls: self._say_own(other)
             # before a resume point's optimizer state replaces the hyperparameters it was given
             plan = fit_plan(self.learn)
-            self.start = FitStart(self.learn, self.store, self.run_state, self.points, self.fname, self.wait,
+            self.start = FitStart(self.learn, self.store, self.run_state, self.points, self.run_fname, self.wait,
                                   self.elastic, self.strict_hypers, self.fresh_callbacks, self._say)
             self.decision = self.start.decide(plan)
             file,rec = self.decision[1:3]
@@ -224,7 +232,20 @@ class AutoResume(LeanCallback):
             if done: hide_progress(self.learn)
         except BaseException: self._cleanup(); raise
 
-    def current_run(self)->RunState: return run_state(self.store, self.fname)  # the run it keeps in this process
+    def current_run(self)->RunState: return run_state(self.store, self.run_fname)  # the run it keeps in this process
+    @property
+    def run_fname(self)->str: return self._run_name()[0]  # its files' name: `fname`, or its own (`fitcalls.run_name`)
+
+    def _run_name(self, share:bool=False)->tuple:
+        "The name of the run's files and the identity of the other run whose files are `fname`'s (`fitcalls.run_name`)"
+        return run_name(self.store, self.fname, learner_identity(self.learn), share=_from_rank0 if share else None)
+
+    def _say_own(self, other:dict):
+        "Say, as the process's first fit call of the run starts, that `fname`'s files are another run's"
+        d = getattr(self.store, 'folder', self.store.url)
+        self._say(f"AutoResume: the files {self.fname}-*.pth in {d} are another run's ({identity_text(other)}); this "
+                  f"run ({identity_text(learner_identity(self.learn))}) keeps its own as {self.run_fname}-*.pth and "
+                  f"leaves those alone: `resumable-train ls {d}` lists both")
 
     # ---- the events
     def before_fit(self):
@@ -232,7 +253,7 @@ class AutoResume(LeanCallback):
         if self.state != 'looking': return  # `validate` and `get_preds` send `before_fit` too
         try:
             self.resumed_iter,self.resumed_from = None,None  # where this fit call continued
-            self.runlog = RunLog(self.store, self.fname, on=not rank_distrib())  # the run's story (`runlog`)
+            self.runlog = RunLog(self.store, self.run_fname, on=not rank_distrib())  # the run's story (`runlog`)
             kind,file,rec,state = self.decision
             if kind == 'skip': self.start.skip(file, rec); self._to('skipping'); return
             if kind == 'after': self._say(f"AutoResume: fit call {self.fit_index} finished in an earlier run; its end "
@@ -242,12 +263,12 @@ class AutoResume(LeanCallback):
             self._to('training')
             self.last_save = time.monotonic()
             if (c := checking()) is not None:
-                c.begin(self.fit_index, self.n_epoch, len(self.dls.train), self.fname, self.resumed_iter)
+                c.begin(self.fit_index, self.n_epoch, len(self.dls.train), self.run_fname, self.resumed_iter)
             self.fit_calls.unfinished = True
             # a new run's story: not a call that starts again after an exception in this process
             fresh = kind == 'start' and self.fit_index == 0 and file is None and not self.fit_calls.restart
             self.runlog.begin(self.fit_index, (self.n_epoch, self.fits[-1].get('n_iter')), self.resumed_from,
-                              fresh=fresh)
+                              fresh=fresh, run=self.run_state.identity)
             mine = (self, self._look_cb)
             self.watched = [(cb, _watched_vars(cb)) for cb in self.learn.cbs if _user_callback(cb) and cb not in mine]
             self.stop_signals.install()

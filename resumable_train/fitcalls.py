@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_fitcalls.ipynb #ef3f3fc1
 from __future__ import annotations
-import hashlib, inspect, itertools, os, re, sys, warnings
+import hashlib, inspect, itertools, json, os, re, sys, warnings
 import numpy as np, torch
 from functools import partial
 from torch import nn
@@ -12,11 +12,12 @@ from fastai.torch_core import num_distrib, get_model
 from .files import *
 from .state import *
 from pathlib import Path
-from .hooks import is_a
+from .hooks import is_a, made_identity
+from .store import read_runlog, runlog_identity, run_files
+from .checkpoints import newest_valid
 
 # %% auto #0
-__all__ = ['DEFAULT_HYPERS', 'is_webdataset', 'loader_of', 'run_setup', 'setup_diff', 'check_setup', 'fit_plan',
-           'learner_identity']
+__all__ = ['is_webdataset', 'loader_of', 'run_setup', 'setup_diff', 'check_setup', 'fit_plan', 'learner_identity']
 
 # %% ../nbs/02_fitcalls.ipynb #13b37f49
 def _arch(model)->list:
@@ -198,18 +199,12 @@ def check_plan(saved, now, file, strict=False, # refuse (or warn)
     warnings.warn(f"{msg}; {then} (strict_hypers=True refuses)", stacklevel=user_stacklevel())
 
 # %% ../nbs/02_fitcalls.ipynb #7d1e5a40
-# the Learner's defaults a fit call takes when it is not given them
-DEFAULT_HYPERS = ('lr', 'wd', 'moms', 'wd_bn_bias', 'train_bn')
-
 def learner_identity(learn)->dict:
-    ("What makes `learn` one run's Learner, taken once (`AutoResume` takes it as it joins the Learner): its script's "
-     "name (`None` in a notebook) and the default hyperparameters it was given")
+    ("What makes `learn` one run's Learner, taken once, as fastai made it (`after_create`; else as `AutoResume` joins "
+     "it): its script's name (`None` in a notebook) and the default hyperparameters it was given (`made_identity`)")
     # not its model, data, loss or optimizer: the same script edited, which `check_setup` and `check_plan` name
     rs = learn.resume
-    if rs.identity is None:
-        main = getattr(sys.modules.get('__main__'), '__file__', None)
-        rs.identity = dict(script=main and Path(main).name,
-                           defaults={k: repr(getattr(learn, k, None)) for k in DEFAULT_HYPERS})
+    if rs.identity is None: rs.identity = made_identity(learn)  # a Learner made before the package was imported
     return rs.identity
 
 # %% ../nbs/02_fitcalls.ipynb #b9e795bd
@@ -352,11 +347,47 @@ class RunState:
 
 _run_states = {}  # by folder or URL, and fname
 
-def run_state(store, fname:str)->RunState:
-    "The `RunState` of the run `fname` in `store` in this process"
-    url = store.url if not getattr(store, 'local', False) else os.path.abspath(store.url)
-    return _run_states.setdefault((url, fname), RunState(f"{url}/{fname}"))
+def _url(store)->str: return store.url if not getattr(store, 'local', False) else os.path.abspath(store.url)
+
+def run_at(where:str)->RunState:
+    "The `RunState` of the run whose files are `where` (`RunState.where`: folder or URL, then name) in this process"
+    url,_,fname = where.rpartition('/')
+    return _run_states.setdefault((url, fname), RunState(where))
+
+def run_state(store, fname:str)->RunState: return run_at(f"{_url(store)}/{fname}")  # the run `fname` in `store`
+
+
+# %% ../nbs/02_fitcalls.ipynb #a49c0002
+def identity_digest(identity:dict)->str:
+    "Eight hex digits that tell the run `identity` (`learner_identity`) from others, the same in every process"
+    return hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
+
+def files_owner(store, fname:str)->dict|None:
+    ("The identity of the run whose files are `fname`'s in `store`: its run log's, else its newest resume point's; "
+     "`None` when it has none (no files, or files written before runs had an identity)")
+    try: owner = runlog_identity(read_runlog(store, fname))
+    except ValueError: owner = None  # a damaged run log: its resume points may tell
+    if owner is not None: return owner
+    _,state = newest_valid(store, fname, damaged=[])
+    return None if state is None else resume_record(state).get('run_id')
+
+_run_names = {}  # by folder or URL, fname and identity: the name of the run's files, and the other run's identity
+
+def run_name(store, fname:str, # the name `AutoResume` was given
+             identity:dict, # the run's `learner_identity`
+             share=None, # under a process group: gives every rank rank 0's answer (`AutoResume` as a fit call starts)
+            )->tuple:
+    ("The name of the files of the run `identity` in `store`: `fname`, unless they are another run's; then "
+     "`{fname}-{identity_digest}`. And that other run's identity (`None`: none). Decided once a process")
+    key = (_url(store), fname, identity_digest(identity))
+    if key not in _run_names:
+        own,other = f"{fname}-{key[2]}",files_owner(store, fname)
+        other = None if other == identity else other
+        # files under its own name are its own, whoever has `fname`'s since (a `clean` of them changes nothing)
+        _run_names[key] = (own if other is not None or run_files(store, own) else fname, other)
+    if share is not None: _run_names[key] = share(_run_names[key])
+    return _run_names[key]
 
 def forget_runs():
     "Forget this process's runs, as a new process does: for examples that stand in for a script run again"
-    _run_states.clear()
+    _run_states.clear(); _run_names.clear()

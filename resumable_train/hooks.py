@@ -101,6 +101,15 @@ _ZEROED = {**dict.fromkeys(['after_backward', *[e for e in dir(event) if e.start
            'after_step': True}
 
 
+# the Learner's defaults a fit call takes when it is not given them
+DEFAULT_HYPERS = ('lr', 'wd', 'moms', 'wd_bn_bias', 'train_bn')
+
+def made_identity(learn)->dict:
+    "`learn`'s script's name (`None` in a notebook) and its default hyperparameters now (`fitcalls.learner_identity`)"
+    main = getattr(sys.modules.get('__main__'), '__file__', None)
+    return dict(script=main and os.path.basename(main),
+                defaults={k: repr(getattr(learn, k, None)) for k in DEFAULT_HYPERS})
+
 class ResumeState:
     "One `Learner`'s resume state: the resume point waiting for the next `fit`, and where the running fit call is"
     def __init__(self):
@@ -127,7 +136,8 @@ class ResumeState:
         self.rested = False
         # the run (`fitcalls.RunState`) of the last fit call made with `AutoResume`: a stage saved now belongs to it
         self.run = None
-        self.identity = None  # what makes this Learner one run's (`fitcalls.learner_identity`), taken once
+        # what makes this Learner one run's (`fitcalls.learner_identity`): taken as fastai makes it (`after_create`)
+        self.identity = None
         # the callbacks and their orders, and for each event the callbacks it is sent to (`callbacks`)
         self.sent = (), {}, []
         self.zeroed = False  # in a fit: `zero_grad` zeroed the gradients (after a step), not known before the first
@@ -170,10 +180,13 @@ class ResumeState:
         self.start_epoch,self.start_iter,self.first_iter = 0,0,0
         if self.loader is not None: self.loader.close()
         self.point,self.loader,self.rest = None,None,None
-    def stage_mark(self)->dict|None:
+    def stage_mark(self, per_call:bool=False, # no `AutoResume` in the Learner: it is given to each fit call
+                  )->dict|None:
         ("What a stage saved now between fit calls stands for: its run (files and identity), and how many of the run's "
          "fit calls it follows")
-        return None if self.run is None else dict(where=self.run.where, done=self.run.calls.done, id=self.run.identity)
+        if self.run is None: return None
+        return dict(where=self.run.where, done=self.run.calls.done, id=self.run.identity,
+                    **({'per_call': True} if per_call else {}))
     def continues(self, mark:dict|None, run, identity:dict)->bool:
         ("Does loading a stage saved at `mark` continue `run` here: its run (its files, and `identity`, the run's or "
          "else the loading Learner's), at fit calls this process has not made?")
@@ -242,6 +255,8 @@ def _call_one(self:Learner, event_name):
     if rs.fitting and not depth: rs.note(event_name)  # the fit call's own event, before any callback sees it
     # a `fit` inside an event, or a `validate`/`get_preds` not `inner`: fastai's `TrainEvalCallback` counts from 0 again
     elif depth and event_name == 'before_fit' and rs.fitting: rs.inner_fits += 1
+    # as the script made it: before a branch that a cached stage skips sets `learn.lr`
+    elif event_name == 'after_create' and rs.identity is None: rs.identity = made_identity(self)
     rs.depth = depth+1
     try:
         for cb in rs.callbacks(self.cbs, event_name, depth > 0): cb(event_name)

@@ -19,7 +19,7 @@ from .hooks import short_refusals, FitEvents, fastai_code, fit_call, is_a, when_
 from .collectives import read_on_rank0, world_size
 from .point import ResumePoint, restore_rest, make_point
 from .skip import SkipToIter
-from .fitcalls import run_setup, learner_identity
+from .fitcalls import run_setup, learner_identity, run_at
 
 # %% auto #0
 __all__ = []
@@ -91,17 +91,20 @@ def _stock_load_opt(opt, sd, with_opt):
     except Exception:
         if with_opt: warnings.warn("Could not load the optimizer state.")
 
-def _run_of(learn):
-    ("The run (`RunState`) `learn` is part of: its last fit call's with `AutoResume`, or the run of an `AutoResume` it "
-     "has")
+def _run_of(learn, mark:dict|None=None):
+    ("The run (`RunState`) `learn` is part of: its last fit call's with `AutoResume`, the run of an `AutoResume` it "
+     "has, or else the run a stage's `mark` names (`AutoResume` given to each fit call)")
     if learn.resume.run is not None: return learn.resume.run
     ar = next((cb for cb in learn.cbs if callable(getattr(cb, 'current_run', None))), None)
-    return None if ar is None else ar.current_run()
+    if ar is not None: return ar.current_run()
+    # only a stage of a run that gave `AutoResume` to each fit call: the same script without `AutoResume` loads as fastai
+    where = mark.get('where') if isinstance(mark, dict) and mark.get('per_call') else None
+    return run_at(where) if isinstance(where, str) else None
 
 def _continues(learn, rest:dict)->bool:
     ("Does loading a stage with the rest point `rest` continue the run `learn` is part of here: that run's files, "
      "identity (`learner_identity`) and fit-call boundary (`ResumeState.continues`)? It then holds that identity")
-    run = _run_of(learn)
+    run = _run_of(learn, rest.get('run'))
     if run is None: return False
     mine = run.identity or learner_identity(learn)
     if not learn.resume.continues(rest.get('run'), run, mine): return False

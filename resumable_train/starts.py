@@ -69,7 +69,7 @@ class FitStart:
                  say=print, # says where the fit call starts (`AutoResume` on rank 0, when verbose)
                 ):
         store_attr()
-        self.points.store,self.points.run = store,run
+        self.points.store,self.points.run,self.points.fname = store,run,fname
         # the rank whose node holds the newest resume point; a finished call's end state (file, checkpoint), its epoch
         self.src,self.end_state,self.end_point,self.last_epoch = 0,None,None,None
     @property
@@ -87,8 +87,9 @@ class FitStart:
         # the newest valid resume point of the run, any node's
         file,state,self.src,self.points.next_num = scan_run(self.store, self.fname, self.wait)
         rec = None if file is None else resume_record(state)
-        # another run's points in the same folder (another script's, or another Learner's): this run starts afresh,
-        # numbering after them; the same run's with another setup or plan are refused or warned below
+        # another run's points under this run's name (`run_name` gives another run's files a name of their own; here
+        # their run log said otherwise): this run starts afresh, numbering after them; the same run's with another setup
+        # or plan are refused or warned below
         mine = rs.identity or learner_identity(self.learn)
         if rec is not None and rec.get('run_id') not in (None, mine): file,state,rec = None,None,None
         rs.identity = mine

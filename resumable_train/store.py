@@ -16,8 +16,8 @@ from .files import (write_checkpoint, read_checkpoint, CheckpointError, WriteCan
 
 # %% auto #0
 __all__ = ['Entry', 'MANIFEST', 'Store', 'LocalStore', 'StoreError', 'FsspecStore', 'is_url', 'as_store', 'locate', 'runlog_name',
-           'read_text', 'write_text', 'read_runlog', 'run_files', 'clean_run', 'run_story', 'point_at', 'RunLog',
-           'run_summary', 'timeline']
+           'read_text', 'write_text', 'read_runlog', 'runlog_identity', 'run_files', 'clean_run', 'run_story',
+           'point_at', 'RunLog', 'run_summary', 'identity_text', 'timeline']
 
 # %% ../nbs/00a_store.ipynb #33a68975
 Entry = namedtuple('Entry', 'name size modified complete')
@@ -429,8 +429,8 @@ def _read(store, name:str)->bytes:
     if d is not None:
         try: return (d/name).read_bytes()
         except FileNotFoundError: return b''
-    key = f'{store.path}/{name}'
-    return store.fs.cat_file(key) if store.fs.exists(key) else b''
+    # retried where it may pass, a refusal (credentials, a missing bucket) said in one `StoreError`, as every read
+    return store._try('read', store.where(name), store.fs.cat_file, f'{store.path}/{name}', absent=b'')
 
 def _add(store, name:str, data:bytes):
     "Append `data` to `name`: appended and fsynced in a folder; a remote object (no appends there) written anew"
@@ -456,13 +456,13 @@ def write_text(store, name:str, text:str):
 
 # each event's fields and their kinds: i an int, n a number, t a time, s a text, b a bool; `?` may be missing or null
 _POS = 'fit:i epoch:i iter:i train_iter:i'
-_FIELDS = {'started': f'{_POS} n_epoch:i n_iter:i? twice:i? lost_s:n',
-           'resumed': f'{_POS} point:s n_epoch:i n_iter:i? twice:i? lost_s:n',
+_FIELDS = {'started': f'{_POS} n_epoch:i n_iter:i? twice:i? lost_s:n run:d?',
+           'resumed': f'{_POS} point:s n_epoch:i n_iter:i? twice:i? lost_s:n run:d?',
            'stopped': f'{_POS} signal:s saved:b', 'killed': '', 'killed at': f'{_POS} reached:t',
            'finished': 'fit:i train_iter:i', 'ended': 'why:s'}
 _KINDS = {'i': lambda v: type(v) is int and v >= 0, 'n': lambda v: type(v) in (int, float) and 0 <= v < 1e12,
           't': lambda v: type(v) in (int, float) and 0 <= v < 3e10, 's': lambda v: isinstance(v, str),
-          'b': lambda v: isinstance(v, bool)}
+          'b': lambda v: isinstance(v, bool), 'd': lambda v: isinstance(v, dict)}
 
 def _wrong(e)->str|None:
     "What is wrong with the event `e` read from a run log, in words; `None` if nothing"
@@ -499,6 +499,10 @@ def read_runlog(where, # a folder, an fsspec URL or a store
      "line")
     store = as_store(where)
     return _events(_read(store, runlog_name(fname)), f"{store.url}/{runlog_name(fname)}")
+
+def runlog_identity(events:list)->dict|None:
+    "The identity of the run whose story `events` tell (`fitcalls.learner_identity`), as its first event has it"
+    return events[0].get('run') if events else None  # `None`: a story written before runs had one
 
 # %% ../nbs/00a_store.ipynb #1e2de49a
 _TRAINING = ('started', 'resumed')  # the events after which a process trains
@@ -605,7 +609,8 @@ class RunLog:
     def begin(self, fit:int, # the fit call, from 0
               n:tuple, # the fit call's number of epochs and of batches per epoch
               at:dict|None=None, # where it continues: a resume point's `point`, `epoch`, `iter`, `train_iter`, `time`
-              fresh:bool=False): # a run's first fit call, no resume point: a story that got further is another run's
+              fresh:bool=False, # a run's first fit call, no resume point: a story that got further is another run's
+              run:dict|None=None): # the run's identity (`fitcalls.learner_identity`): a new story starts with it
         "Say how fit call `fit` starts training; first, if the last process vanished, that it was killed"
         if not self.on: return
         try: data = _read(self.store, runlog_name(self.fname))
@@ -626,7 +631,7 @@ class RunLog:
         since = max(at['time'] if at else 0, prev['time'] if prev else 0)
         lost = round(max(0., reach['time'] - since), 3) if twice and reach else 0.
         where = dict(fit=fit, n_epoch=n[0], n_iter=n[1], pid=os.getpid(), host=socket.gethostname(),
-                     twice=twice, lost_s=lost)
+                     twice=twice, lost_s=lost, **({'run': run} if run is not None and not events else {}))
         if at is None: self.add('started', epoch=0, iter=0, train_iter=0, **where)
         else: self.add('resumed', point=at['point'], epoch=at['epoch'], iter=at['iter'], train_iter=start, **where)
         self.training = True
@@ -691,10 +696,18 @@ def run_summary(events:list)->dict:
                 stopped=kinds.count('stopped'), twice=None if None in twice else sum(twice),
                 lost_s=round(sum(e.get('lost_s') or 0 for e in events), 3))
 
+def identity_text(run:dict)->str:
+    "A run's identity (`fitcalls.learner_identity`) in words: its script and its Learner's defaults"
+    script = f"script {run['script']}" if run.get('script') else "no script (a notebook)"
+    defaults = run.get('defaults') if isinstance(run.get('defaults'), dict) else {}  # a log's text: checked
+    return f"{script}, Learner({', '.join(f'{k}={v}' for k,v in defaults.items())})"
+
 def timeline(events:list)->list:
-    "The events as lines of text, with a summary last"
+    "The events as lines of text, the run's identity first (where its story has it), with a summary last"
     size = {e['fit']: dict(n_epoch=e['n_epoch'], n_iter=e['n_iter']) for e in events if e['event'] in _TRAINING}
-    out = [f"{_stamp(e.get('reached', e['time']))}  {_line(e, size)}" for e in events]
+    run = runlog_identity(events)
+    out = [f"run of {identity_text(run)}"] if run else []
+    out += [f"{_stamp(e.get('reached', e['time']))}  {_line(e, size)}" for e in events]
     s = run_summary(events)
     twice = 'an unknown number of batches' if s['twice'] is None else f"{s['twice']} batches"
     n = s['interrupted']

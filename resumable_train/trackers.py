@@ -78,7 +78,7 @@ def wandb_id(where, # a `Learner` (its `auto_resume`'s folder), a folder, an fss
     from resumable_train.store import read_text, write_text
     ar = getattr(where, 'auto_resume', None)
     store = ar.store if ar is not None else as_store(where)
-    fname = fname or (ar.fname if ar is not None else 'autoresume')
+    fname = fname or (ar.run_fname if ar is not None else 'autoresume')
     if rid := read_text(store, f'{fname}.wandb-id').strip(): return rid
     rid = ''.join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
     write_text(store, f'{fname}.wandb-id', rid + '\n')

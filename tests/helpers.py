@@ -73,6 +73,11 @@ def check_rc(res, what='process'):
 
 def load_result(f): return torch.load(f, weights_only=False)
 
+def package_files(folder, fname='autoresume')->dict:
+    "The files the package wrote for the run `fname` in `folder`, with their bytes and times (issue 49: another run's are not among them)"
+    pat = rf'\.?{re.escape(fname)}(-\d+\.pth|-fit\d+\.history|\.runlog|\.reach|\.lock)'
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in Path(folder).iterdir() if re.fullmatch(pat, p.name)}
+
 def stock_digits_learner():
     """`resumable_train.cli.digits_learner` for a process that never imports the package (stock fastai): its own code, read from
     cli.py with `ast` and run without its `import resumable_train.learner` (the package's patches of `Learner`)"""

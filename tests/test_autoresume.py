@@ -1,12 +1,13 @@
 "Kill a training script that uses AutoResume (SIGKILL, SIGTERM, during a write), rerun it: it ends bitwise where an uninterrupted run ends."
-import random, re, signal
+import random, re, signal, sys
 from pathlib import Path
 import pytest, torch
 import killrerun as kr
 from forked import StockForker
-from helpers import TESTS, diff_values
+from helpers import TESTS, diff_values, package_files, run
 
 SCRIPT = str(TESTS/'autoresume_script.py')
+CLI = str(Path(sys.executable).parent/'resumable-train')
 
 FORKER = None  # set by the `_forker` fixture: the script runs in children forked from the test process (see forked.py)
 
@@ -120,18 +121,25 @@ def test_two_fits(refs, tmp_path):
     assert {b[0] for b in batches(lines)} == {'1'}
     same(refs['two'], out)
 
+def own_files(lines)->str:
+    "The name of its files that a script in another run's folder says it keeps (issue 49)"
+    said = [l for l in lines if "are another run's" in l]
+    assert said, ''.join(lines)[-2000:]
+    return re.search(r'keeps its own as (\S+)-\*\.pth', said[0]).group(1)
+
 def test_second_script_in_the_folder(tmp_path):
     """Issue 49: script B (another lr, another schedule) loads script A's file in A's folder, both with AutoResume: B is its own run,
-    not A's continued. Uninterrupted, and killed in its second fit call then rerun, it ends as stock fastai's B; run again, it trains
-    nothing"""
-    d,out,ref = tmp_path/'run',tmp_path/'out.pth',tmp_path/'ref.pth'
+    not A's continued, in files of its own; A's are left byte for byte. Uninterrupted, and killed in its second fit call then rerun, B
+    ends as stock fastai's B; run again, it trains nothing; A run again trains nothing and writes nothing"""
+    d,out,ref,a_out = tmp_path/'run',tmp_path/'out.pth',tmp_path/'ref.pth',tmp_path/'a.pth'
     b = ('--lr', '3e-3', '--sched', 'two', '--load', 'pretrained')
-    for f in (d, tmp_path/'ref'): run_to_end(f, tmp_path/'a.pth', '--save', 'pretrained')  # script A, in both folders
+    for f in (d, tmp_path/'ref'): run_to_end(f, a_out, '--save', 'pretrained')  # script A, in both folders
+    a_files = package_files(d/'models')
     stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
     try: rc,o = stock.run(SCRIPT, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90)
     finally: stock.close()
     assert rc == 0, o[-3000:]
-    rc,_ = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, *b, '--sleep', '0.05')
+    rc,lines = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, *b, '--sleep', '0.05')
     assert rc == -signal.SIGKILL
     lines = run_to_end(d, out, *b)
     assert {x[0] for x in batches(lines)} == {'1'} and any(l.startswith('AutoResume: continuing') for l in lines), ''.join(lines)[-2000:]
@@ -139,3 +147,72 @@ def test_second_script_in_the_folder(tmp_path):
     lines = run_to_end(d, out, *b)
     assert batches(lines) == [] and torch.load(out, weights_only=True)['steps'] == 0
     same(ref, out)
+    assert package_files(d/'models') == a_files, "B left A's files as they were"
+    mine = own_files(lines)
+    assert (d/'models'/f'{mine}.runlog').exists() and list((d/'models').glob(f'{mine}-*.pth'))
+    a_ref = torch.load(a_out, weights_only=True)
+    lines = run_to_end(d, a_out, '--save', 'pretrained')  # A again: finished, it trains nothing and writes nothing of the package's
+    assert batches(lines) == [] and torch.load(a_out, weights_only=True)['steps'] == 0, ''.join(lines)[-2000:]
+    assert not diff_values(a_ref['model'], torch.load(a_out, weights_only=True)['model'])
+    assert package_files(d/'models') == a_files
+
+def test_killed_script_then_another(refs, tmp_path):
+    """Issue 49: script A killed in its second fit call, then script B (another lr) in the same folder: B trains as stock fastai's B, in
+    files of its own, and leaves A's byte for byte; A run again continues exactly, as the uninterrupted A; B run again trains nothing"""
+    d,a_out,b_out,ref = tmp_path/'run',tmp_path/'a.pth',tmp_path/'b.pth',tmp_path/'ref.pth'
+    b = ('--lr', '3e-3', '--tag', 'b')
+    stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
+    try: rc,o = stock.run(SCRIPT, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90)
+    finally: stock.close()
+    assert rc == 0, o[-3000:]
+    rc,_ = run_until(d, a_out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, '--sched', 'two',
+                     '--sleep', '0.05')
+    assert rc == -signal.SIGKILL
+    a_files = package_files(d/'models')
+    lines = run_to_end(d, b_out, *b)
+    assert len(batches(lines)) == refs['one_cycle_batches'] and not any('continuing' in l for l in lines), ''.join(lines)[-2000:]
+    same(ref, b_out)
+    assert package_files(d/'models') == a_files, "B left A's files as they were"
+    mine = own_files(lines)
+    lines = run_to_end(d, b_out, *b)
+    assert batches(lines) == [] and torch.load(b_out, weights_only=True)['steps'] == 0
+    same(ref, b_out)
+    lines = run_to_end(d, a_out, '--sched', 'two')
+    assert {x[0] for x in batches(lines)} == {'1'} and any(l.startswith('AutoResume: continuing') for l in lines), ''.join(lines)[-2000:]
+    assert not any("another run's" in l for l in lines)
+    same(refs['two'], a_out)
+    assert list((d/'models').glob(f'{mine}-*.pth')) and (d/'models'/f'{mine}.runlog').exists(), "A left B's files"
+    rc,out,err = run([CLI, 'ls', d], 60)  # both runs, each with its identity
+    assert rc == 0 and f'run autoresume (autoresume.runlog):\n  run of script autoresume_script.py, Learner(lr=0.01,' in out, out + err
+    assert f'run {mine} ({mine}.runlog):\n  run of script autoresume_script.py, Learner(lr=0.003,' in out, out
+    a_files = package_files(d/'models')
+    rc,out,err = run([CLI, 'clean', d, '--fname', mine], 60)  # B's files alone
+    assert rc == 0 and package_files(d/'models') == a_files and not list((d/'models').glob(f'{mine}*')), out + err
+
+@pytest.mark.parametrize('per_call', [False, True])
+def test_cached_stage_whose_branch_sets_lr(tmp_path, per_call):
+    """A stage cached with save and load, whose branch (skipped in a rerun) sets `learn.lr`, then a fit call killed and rerun: the rerun
+    continues exactly, with AutoResume in the Learner or given to each fit call (issue 49: the identity is the Learner's as it was made)"""
+    args = ('--sched', 'stage', *(['--per-call'] if per_call else []))
+    ref,d,out = tmp_path/'ref.pth',tmp_path/'run',tmp_path/'out.pth'
+    run_to_end(tmp_path/'ref', ref, *args)
+    rc,_ = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:4] == ['1', '0', '3'], signal.SIGKILL, *args, '--sleep', '0.05')
+    assert rc == -signal.SIGKILL
+    lines = run_to_end(d, out, *args)
+    assert any(l.startswith('AutoResume: continuing') for l in lines) and len(batches(lines)) < 12, ''.join(lines)[-2000:]
+    same(ref, out)
+
+def test_stage_without_autoresume_loads_as_fastai(tmp_path):
+    """The same script run again without `AutoResume` (the package imported) in the folder of a run that had it in the Learner: its
+    `learn.load` of the run's cached stage loads as fastai's (weights and optimizer), not the run's random state and lr: stock's bits"""
+    import shutil
+    from forked import StockForker
+    args = ('--sched', 'stage')
+    run_to_end(tmp_path/'a', tmp_path/'a.pth', *args)
+    shutil.copytree(tmp_path/'a', tmp_path/'b')
+    run_to_end(tmp_path/'a', tmp_path/'mine.pth', *args, '--no-ar')
+    stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
+    try: rc,o = stock.run(SCRIPT, '--dir', tmp_path/'b', '--out', tmp_path/'stock.pth', *args, '--no-resume', timeout=90)
+    finally: stock.close()
+    assert rc == 0, o[-3000:]
+    same(tmp_path/'stock.pth', tmp_path/'mine.pth')

@@ -7,7 +7,7 @@ run alone on the package side, then twice more, as finished scripts run again: t
 """
 import subprocess, time
 import pytest, torch
-from helpers import PY, TESTS, kill_group, load_result
+from helpers import PY, TESTS, kill_group, load_result, package_files
 from helpers import test_env as subprocess_env  # not a test
 
 SCRIPT = str(TESTS/'invisible_script.py')
@@ -63,10 +63,15 @@ def runs(tmp_path_factory, request):
         return _results(d/'package', jobs, p.returncode, log, 'the package side')
     res = dict(stock={}, package={}, reruns=[], times=times)
     res['package'].update(package(*FIRST))
+    pair = d/'package'/'pair'/'models'  # script A's files, which B, C and D leave as they are (issue 49)
+    res['pair_files'] = [package_files(pair)]
     res['stock'].update(_results(d/'stock', stock.jobs, *_finish_stock(stock), 'the stock side'))
     times['first'] = time.time()-t0
     stock = _start_stock(d/'stock', SECOND)
     res['package'].update(package(*SECOND))
+    res['pair_files'].append(package_files(pair))
+    res['pair_a_again'] = package('pair_a')['pair_a']  # A run again after them: it had finished
+    res['pair_files'].append(package_files(pair))
     for j in AUTORESUME: res['package'].update(package(j))
     res['reruns'] = [{j: package(j)[j] for j in AUTORESUME} for _ in range(RERUNS)]
     res['stock'].update(_results(d/'stock', stock.jobs, *_finish_stock(stock), 'the stock side'))
@@ -162,3 +167,15 @@ def test_exception_table(runs):
     for job in ('failures', 'failures_ar'):
         diffs = _raised_differently(runs['stock'][job]['raised'], runs['package'][job]['raised'])
         assert not diffs, f"{job}: " + '\n'.join(diffs)
+
+def test_first_script_again(runs):
+    """Issue 49: scripts B, C and D in script A's folder, each with `AutoResume()` (their own lr, wd or defaults) leave A's files byte for
+    byte; A run again after them trains nothing, writes none of the package's files, and ends as stock's A"""
+    first,after_bcd,after_a = runs['pair_files']
+    assert first, "script A wrote its files"
+    assert after_bcd == first, f"B, C and D changed A's files: {sorted(k for k in first if after_bcd.get(k) != first[k])}"
+    assert after_a == first, f"A run again changed its files: {sorted(k for k in first if after_a.get(k) != first[k])}"
+    ref,got = runs['stock']['pair_a'],runs['pair_a_again']
+    diffs = _differences(ref, got, RERUN_FIELDS)
+    if got['steps']: diffs.insert(0, f"steps: 0 expected (a finished script run again trains nothing), got {got['steps']}")
+    assert not diffs, '\n'.join(diffs[:8])
