@@ -168,7 +168,8 @@ def check(cmd:list, # the user's command for the training script (`python train.
     work = Path(tempfile.mkdtemp(prefix='resumable-train-check-', dir=scratch))
     runs,keep = [],False
     # the Learner's own files, in one folder for every run, as their states may name it: a run's go with it after it
-    learner = work/'learner'
+    learner,tmp = work/'learner',work/'tmp'
+    tmp.mkdir()  # the runs' temporary folder (TMPDIR): a killed run cannot remove its own (W&B's media and artifacts)
     def go(name, what, **spec)->_Run:
         say(f"check: {what} ({time.monotonic() - t0:.0f} s)")
         folder,report = work/name,work/f'{len(runs)+1}-{name}.jsonl'  # the folder of a run resumed is the killed run's
@@ -176,7 +177,10 @@ def check(cmd:list, # the user's command for the training script (`python train.
         if runs and runs[-1].folder != folder and learner.exists(): learner.rename(runs[-1].folder/'learner')
         learner.mkdir(exist_ok=True)
         env = {CHECK_VAR: json.dumps(dict(spec, dir=str(folder), report=str(report), learner=str(learner))),
-               'WANDB_DIR': str(learner), 'WANDB_MODE': 'offline'}  # W&B's files there too, and nothing sent
+               'TMPDIR': str(tmp),
+               # W&B's files there too (its runs, its logs, the artifacts it stages), and nothing sent
+               'WANDB_MODE': 'offline', 'WANDB_DIR': str(learner), 'WANDB_CACHE_DIR': str(learner/'wandb-cache'),
+               'WANDB_DATA_DIR': str(learner/'wandb-data')}
         rc,out = run(list(cmd), env, timeout)
         events = [json.loads(l) for l in report.read_text().splitlines()] if report.exists() else []
         runs.append(_Run(rc, out, events, folder))
