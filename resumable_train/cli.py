@@ -9,9 +9,11 @@ from pathlib import Path
 
 _INTERRUPTED = "resumable-train: interrupted (Ctrl-C)"
 def _quit_on_ctrl_c(signum, frame): sys.stdout.flush(); print(_INTERRUPTED, file=sys.stderr, flush=True); os._exit(130)
-# the command, not an import of this module: a Ctrl-C while torch is imported is one line, not a traceback (see `main`)
-if Path(getattr(sys.modules['__main__'], '__file__', None) or '').name == 'resumable-train':
-    signal.signal(signal.SIGINT, _quit_on_ctrl_c)
+# the command (`resumable-train`, or `python -m resumable_train.cli`), not an import of this module: a Ctrl-C while
+# torch is imported is one line, not a traceback (see `main`)
+_COMMAND = (Path(getattr(sys.modules['__main__'], '__file__', None) or '').name == 'resumable-train'
+            or __name__ == '__main__' and getattr(globals().get('__spec__'), 'name', None) == 'resumable_train.cli')
+if _COMMAND: signal.signal(signal.SIGINT, _quit_on_ctrl_c)
 import torch
 from torch import nn
 from . import __version__
@@ -581,3 +583,6 @@ def main(argv:list|None=None, # the arguments, `sys.argv[1:]` by default
         sys.stdout.flush()
         print(f"\n{_INTERRUPTED}", file=sys.stderr)  # on a line of its own, also after a progress bar's
         return 130
+
+# %% ../nbs/05_cli.ipynb #1a3ccf2b
+if _COMMAND and __name__ == '__main__': sys.exit(main())  # `python -m resumable_train.cli`: as the command
