@@ -168,8 +168,10 @@ def check(cmd:list, # the user's command for the training script (`python train.
     work = Path(tempfile.mkdtemp(prefix='resumable-train-check-', dir=scratch))
     runs,keep = [],False
     # the Learner's own files, in one folder for every run, as their states may name it: a run's go with it after it
-    learner,tmp = work/'learner',work/'tmp'
-    tmp.mkdir()  # the runs' temporary folder (TMPDIR): a killed run cannot remove its own (W&B's media and artifacts)
+    learner = work/'learner'
+    # the runs' temporary folder (TMPDIR), removed at the end: a killed run cannot remove its own (W&B's media and
+    # artifacts); a short path in the system's, as a Unix socket's path in it (DataLoader workers') holds 107 bytes
+    tmp = Path(tempfile.mkdtemp(prefix='rt-check-'))
     def go(name, what, **spec)->_Run:
         say(f"check: {what} ({time.monotonic() - t0:.0f} s)")
         folder,report = work/name,work/f'{len(runs)+1}-{name}.jsonl'  # the folder of a run resumed is the killed run's
@@ -246,4 +248,5 @@ def check(cmd:list, # the user's command for the training script (`python train.
         say(f"({time.monotonic() - t0:.0f} s; the runs' folders are in {work})")
         return 1
     finally:
+        shutil.rmtree(tmp, ignore_errors=True)
         if not keep: shutil.rmtree(work, ignore_errors=True)

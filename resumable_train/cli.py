@@ -557,11 +557,12 @@ def _parser():
                                    "bit. It runs as you run it, in the folder you run it from, and everything a "
                                    "Learner writes from its first fit call on (learn.save, learn.export, "
                                    "SaveModelCallback, CSVLogger, TensorBoard logs, W&B's files, offline: WANDB_DIR, "
-                                   "WANDB_CACHE_DIR, WANDB_DATA_DIR) and the script's temporary files (TMPDIR) go to "
-                                   "the check's scratch folder, removed at the end unless the verdict is 'not exact'. "
-                                   "What the script writes itself, to paths of its own (open(), torch.save(), a W&B "
-                                   "run it starts with mode='online'), and what its Learner writes before its first "
-                                   "fit call, is written where the script says, at each run.")
+                                   "WANDB_CACHE_DIR, WANDB_DATA_DIR) goes to the check's scratch folder, removed at "
+                                   "the end unless the verdict is 'not exact'; the script's temporary files (TMPDIR) "
+                                   "to a temporary folder of the check's, removed at the end. What the script writes "
+                                   "itself, to paths of its own (open(), torch.save(), a W&B run it starts with "
+                                   "mode='online'), and what its Learner writes before its first fit call, is written "
+                                   "where the script says, at each run.")
     s.add_argument('--batches', type=int, default=None,
                    help="stop at this training batch of the first fit call long enough (default: at its end)")
     s.add_argument('--kill-at', type=int, default=None,
