@@ -19,10 +19,13 @@ CBS = ['csv', 'graph', 'stats', 'save', 'early', 'plateau', 'nan', 'accum', 'cli
        'short', 'mcdropout', 'cancels', 'cancel-fit', 'wandb']
 # the windows: inside epoch 2 (its 5th batch; `short` trains 2 batches an epoch: epoch 2's 1st; `cancels`: after each of several
 # batches, around its cancels), in epoch 2's validation, after epoch 2's end, and inside the `get_preds` a callback makes in epoch
-# 2's `after_epoch` (`wandb`: in its `after_validate`, whose first batch says `VALID` too: epoch 2's validation is the 3rd)
+# 2's `after_epoch` (`wandb`: in its `after_validate`). The call inside an event says `VALID` (`mcdropout`'s, not `inner`: `END` too)
+# in each epoch: epoch 2's own are later lines
+NTH = {'mcdropout': dict(VALID=3, END=4), 'wandb': dict(VALID=3, END=2)}
 def windows(cb)->dict:
     "The windows `cb` is killed in, by name (each `nth` counts its own lines: new for each test)"
-    ws = dict(inside=dict(stop_after=13), valid=dict(until=nth('VALID', 3 if cb == 'wandb' else 2)), end=dict(until=nth('END', 2)))
+    k = NTH.get(cb, dict(VALID=2, END=2))
+    ws = dict(inside=dict(stop_after=13), valid=dict(until=nth('VALID', k['VALID'])), end=dict(until=nth('END', k['END'])))
     if cb in ('mcdropout', 'wandb'): ws['nested'] = dict(until=nth('NESTED', 2))
     if cb == 'short': ws['inside'] = dict(stop_after=3)
     if cb == 'cancels': ws.update({f'inside{n}': dict(stop_after=n) for n in (7, 22, 31, 40, 47)})
