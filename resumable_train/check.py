@@ -169,6 +169,9 @@ def check(cmd:list, # the user's command for the training script (`python train.
     runs,keep = [],False
     # the Learner's own files, in one folder for every run, as their states may name it: a run's go with it after it
     learner = work/'learner'
+    # the runs' temporary folder (TMPDIR), removed at the end: a killed run cannot remove its own (W&B's media and
+    # artifacts); a short path in the system's, as a Unix socket's path in it (DataLoader workers') holds 107 bytes
+    tmp = Path(tempfile.mkdtemp(prefix='rt-check-'))
     def go(name, what, **spec)->_Run:
         say(f"check: {what} ({time.monotonic() - t0:.0f} s)")
         folder,report = work/name,work/f'{len(runs)+1}-{name}.jsonl'  # the folder of a run resumed is the killed run's
@@ -176,7 +179,10 @@ def check(cmd:list, # the user's command for the training script (`python train.
         if runs and runs[-1].folder != folder and learner.exists(): learner.rename(runs[-1].folder/'learner')
         learner.mkdir(exist_ok=True)
         env = {CHECK_VAR: json.dumps(dict(spec, dir=str(folder), report=str(report), learner=str(learner))),
-               'WANDB_DIR': str(learner), 'WANDB_MODE': 'offline'}  # W&B's files there too, and nothing sent
+               'TMPDIR': str(tmp),
+               # W&B's files there too (its runs, its logs, the artifacts it stages), and nothing sent
+               'WANDB_MODE': 'offline', 'WANDB_DIR': str(learner), 'WANDB_CACHE_DIR': str(learner/'wandb-cache'),
+               'WANDB_DATA_DIR': str(learner/'wandb-data')}
         rc,out = run(list(cmd), env, timeout)
         events = [json.loads(l) for l in report.read_text().splitlines()] if report.exists() else []
         runs.append(_Run(rc, out, events, folder))
@@ -242,4 +248,5 @@ def check(cmd:list, # the user's command for the training script (`python train.
         say(f"({time.monotonic() - t0:.0f} s; the runs' folders are in {work})")
         return 1
     finally:
+        shutil.rmtree(tmp, ignore_errors=True)
         if not keep: shutil.rmtree(work, ignore_errors=True)

@@ -9,9 +9,11 @@ from pathlib import Path
 
 _INTERRUPTED = "resumable-train: interrupted (Ctrl-C)"
 def _quit_on_ctrl_c(signum, frame): sys.stdout.flush(); print(_INTERRUPTED, file=sys.stderr, flush=True); os._exit(130)
-# the command, not an import of this module: a Ctrl-C while torch is imported is one line, not a traceback (see `main`)
-if Path(getattr(sys.modules['__main__'], '__file__', None) or '').name == 'resumable-train':
-    signal.signal(signal.SIGINT, _quit_on_ctrl_c)
+# the command (`resumable-train`, or `python -m resumable_train.cli`), not an import of this module: a Ctrl-C while
+# torch is imported is one line, not a traceback (see `main`)
+_COMMAND = (Path(getattr(sys.modules['__main__'], '__file__', None) or '').name == 'resumable-train'
+            or __name__ == '__main__' and getattr(globals().get('__spec__'), 'name', None) == 'resumable_train.cli')
+if _COMMAND: signal.signal(signal.SIGINT, _quit_on_ctrl_c)
 import torch
 from torch import nn
 from . import __version__
@@ -552,12 +554,13 @@ def _parser():
                                      "python train.py",
                        description="Run your script three times (four or five when a resume is not exact): "
                                    "uninterrupted, killed with SIGKILL, resumed; compare the resume points bit for "
-                                   "bit. "
-                                   "It runs as you run it, in the folder you run it from, and everything a Learner "
-                                   "writes from its first fit call on (learn.save, learn.export, SaveModelCallback, "
-                                   "CSVLogger, TensorBoard logs, W&B's files, offline) goes to the check's scratch "
-                                   "folder, removed at the end unless the verdict is 'not exact'. What the script "
-                                   "writes itself, to paths of its own (open(), torch.save(), a W&B run it starts with "
+                                   "bit. It runs as you run it, in the folder you run it from, and everything a "
+                                   "Learner writes from its first fit call on (learn.save, learn.export, "
+                                   "SaveModelCallback, CSVLogger, TensorBoard logs, W&B's files, offline: WANDB_DIR, "
+                                   "WANDB_CACHE_DIR, WANDB_DATA_DIR) goes to the check's scratch folder, removed at "
+                                   "the end unless the verdict is 'not exact'; the script's temporary files (TMPDIR) "
+                                   "to a temporary folder of the check's, removed at the end. What the script writes "
+                                   "itself, to paths of its own (open(), torch.save(), a W&B run it starts with "
                                    "mode='online'), and what its Learner writes before its first fit call, is written "
                                    "where the script says, at each run.")
     s.add_argument('--batches', type=int, default=None,
@@ -581,3 +584,6 @@ def main(argv:list|None=None, # the arguments, `sys.argv[1:]` by default
         sys.stdout.flush()
         print(f"\n{_INTERRUPTED}", file=sys.stderr)  # on a line of its own, also after a progress bar's
         return 130
+
+# %% ../nbs/05_cli.ipynb #1a3ccf2b
+if _COMMAND and __name__ == '__main__': sys.exit(main())  # `python -m resumable_train.cli`: as the command

@@ -7,7 +7,8 @@ loss, without `state_dict`), `nondet` (an operation that says it has no determin
 `dict_counter` (a callback counting steps in a dict, dividing the lr
 by 10 from step 30, without `state_dict`), `loader` (a DataLoader over a plain stream, which the package refuses for resume points inside an
 epoch), `index_add` (a layer summing rows with `index_add_`, which CUDA does with atomic adds: benchmarks/gpu_check.py's check 8). `--no-autoresume`: without
-`AutoResume`. `--writers`: with every writer of a Learner's files (`SaveModelCallback`, `CSVLogger`, TensorBoard, `export`, `save`).
+`AutoResume`. `--writers`: with every writer of a Learner's files (`SaveModelCallback`, `CSVLogger`, TensorBoard, `export`, `save`)
+and W&B's (`WandbCallback`, its model logged as an artifact; `check` runs it offline).
 """
 import argparse, random, time
 from functools import partial
@@ -88,15 +89,23 @@ def vision_learner_(cbs):
 
 set_seed(7, reproducible=True)
 cbs = ([] if a.no_autoresume else [AutoResume(every_secs=600)]) + dict(counter=[Counter()], dict_counter=[DropLR()]).get(a.defect, [])
-if a.writers:  # every writer of a Learner's files (fastai's WandbCallback fails in before_fit with the wandb installed here)
+if a.writers:  # every writer of a Learner's files; W&B's predictions need fastai's Datasets (test_matrix.py has them)
     from fastai.callback.tensorboard import TensorBoardCallback
-    cbs += [SaveModelCallback(), CSVLogger(), TensorBoardCallback(trace_model=False, log_preds=False)]
+    from fastai.callback.wandb import WandbCallback
+    from helpers import wandb_config_fix
+    wandb_config_fix()
+    cbs += [SaveModelCallback(), CSVLogger(), TensorBoardCallback(trace_model=False, log_preds=False),
+            WandbCallback(log_preds=False, log_model=True)]
 if a.model == 'ddp':
     from resumable_train.distributed import DDPTrainer
     cbs.insert(0, DDPTrainer(timeout=30))
 learn = (vision_learner_ if a.model == 'vision' else mlp_learner)(cbs)
+if a.writers:  # one W&B run across a killed run and its rerun
+    import wandb
+    from resumable_train.trackers import wandb_id
+    wandb.init(project='resumable-train-check', id=wandb_id(learn), resume='allow')
 with learn.no_bar(), learn.no_logging():
     if a.model == 'vision': learn.fine_tune(1, freeze_epochs=1)
     else: learn.fit_one_cycle(2, 1e-2)
-if a.writers: learn.export(); learn.save('final')
+if a.writers: learn.export(); learn.save('final'); wandb.finish()
 print('DONE', learn.train_iter)

@@ -84,6 +84,7 @@ def _child(script, args, env, cwd, w):
         signal.signal(signal.SIGINT, signal.default_int_handler)
         _fresh_warnings()
         os.environ.update(env or {})
+        tempfile.tempdir = None  # the temporary folder the environment names (TMPDIR), as a new process finds it
         if cwd: os.chdir(cwd)
         sys.argv = [str(script), *map(str, args)]
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

@@ -1,4 +1,5 @@
-"Shared utilities for the process-level tests: bounded subprocesses, bitwise comparison of saved results, library warnings filtered"
+"""Shared utilities for the process-level tests: bounded subprocesses, bitwise comparison of saved results, library warnings filtered, W&B
+offline in a test's folder"""
 import builtins, os, re, signal, subprocess, sys, warnings
 from pathlib import Path
 import torch
@@ -34,6 +35,24 @@ def quiet_library_warnings():
     for msg,cat,_ in LIBRARY_WARNINGS: warnings.filterwarnings('ignore', re.escape(msg), getattr(builtins, cat))
     opts = [f'ignore:{msg}:{cat}' for msg,cat,_ in LIBRARY_WARNINGS]  # a message prefix, without ':' or ','
     os.environ['PYTHONWARNINGS'] = ','.join(filter(None, [os.environ.get('PYTHONWARNINGS'), *opts]))
+
+def wandb_env(folder)->dict:
+    "W&B offline and silent, with every file it writes in `folder`: its runs, logs, cache, and temporary files (for a run's `env`)"
+    folder = Path(folder)
+    for d in ('cache', 'data', 'tmp'): (folder/d).mkdir(parents=True, exist_ok=True)
+    return dict(WANDB_MODE='offline', WANDB_SILENT='true', WANDB_DIR=str(folder), WANDB_CACHE_DIR=str(folder/'cache'),
+                WANDB_DATA_DIR=str(folder/'data'), TMPDIR=str(folder/'tmp'))  # a killed run leaves wandb's temporary folders
+
+def wandb_config_fix():
+    """Let fastai's `WandbCallback` log its config: fastai 2.8.12's `_format_config_value` calls fastcore 2.2.41's `init_args`, whose
+    `vars` raises `TypeError` in `before_fit` for a value without `__dict__` (a tuple). Their bug, not the package's: such a value is
+    passed on as it is (where wandb still cannot serialize the config, fastai says so and trains on, as it means to). Called alike
+    in stock runs and the package's, so it cannot hide a difference the package makes"""
+    import fastai.callback.wandb as fw
+    f = fw._format_config_value
+    if getattr(f, 'fixed', False): return
+    def fixed(v): return f(v) if isinstance(v, list) or hasattr(v, '__dict__') else v
+    fixed.fixed,fw._format_config_value = True,fixed
 
 def test_env(env=None):
     "The environment for a test subprocess: one thread per op, the repo importable, no progress bars"

@@ -148,12 +148,13 @@ def same_as_stock(stock_out, ref_out):
     d = compare(stock_out, ref_out, keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters', 'steps'))
     assert not d, f"AutoResume changed an uninterrupted run: {len(d)} differences from stock fastai, first:\n" + '\n'.join(d[:10])
 
-def stock_reference(forker, stock, tmp_path, script, args, keys=None)->list:
+def stock_reference(forker, stock, tmp_path, script, args, keys=None, env=None)->list:
     """Run `script tmp_path/ref.pth ARGS` in `ref/` with `AutoResume`, and `--no-resume` in `stock/` as stock fastai (a process that
-    never imports the package): the same bits and steps (`keys`: which results to compare); the batches it trained"""
+    never imports the package), both with `env` added: the same bits and steps (`keys`: which results to compare); the batches it
+    trained"""
     for d in ('ref', 'stock'): (tmp_path/d).mkdir()
-    ref = batches(run_to_end(forker, script, [tmp_path/'ref.pth', *args], cwd=tmp_path/'ref'))
-    rc,out = stock.run(script, tmp_path/'stock.pth', *args, '--no-resume', timeout=120, cwd=tmp_path/'stock')
+    ref = batches(run_to_end(forker, script, [tmp_path/'ref.pth', *args], cwd=tmp_path/'ref', env=env))
+    rc,out = stock.run(script, tmp_path/'stock.pth', *args, '--no-resume', timeout=120, cwd=tmp_path/'stock', env=env)
     assert rc == 0, f"stock fastai exited {rc}:\n{out[-3000:]}"
     if keys is None: same_as_stock(tmp_path/'stock.pth', tmp_path/'ref.pth')
     else:

@@ -5,8 +5,10 @@ A small classifier of random 3x8x8 images (two classes, 9 training batches and 3
 `fit_one_cycle(4)` and the callback `CB`, with `AutoResume(every_iter=3)` unless `--no-resume` (stock fastai: the package never
 imported). Lines for a test to kill the script at: `VALID` at each epoch's first validation batch, `END` once every callback's
 `after_epoch` ran, `NESTED` after a call a callback makes inside an event (`mcdropout`: `get_preds` with `MCDropoutCallback` in
-`after_epoch`, as a user scores uncertainty each epoch). The result (`save_result`) holds, beside the weights, the optimizer and the
-`Recorder`: the random streams at the end, and every plain attribute (numbers, strings, tensors) of each fastai callback.
+`after_epoch`, as a user scores uncertainty each epoch; `wandb`: inside the predictions `WandbCallback(log_preds=True)` makes in each
+`after_validate`, whose first batch says `VALID` too). `wandb` trains on fastai's types (`TensorImage`, `Categorize`), which its
+predictions table needs; the test's environment runs W&B offline. The result (`save_result`) holds, beside the weights, the optimizer
+and the `Recorder`: the random streams at the end, and every plain attribute (numbers, strings, tensors) of each fastai callback.
 """
 import argparse, random
 from functools import partialmethod
@@ -14,6 +16,7 @@ import numpy as np, torch
 from torch import nn
 from fastai.basics import *
 from fastai.callback.all import *
+from helpers import wandb_config_fix
 from killrerun import Report, Windows, plain, save_result, say
 
 CBS = {'csv': lambda: CSVLogger(), 'graph': lambda: ShowGraphCallback(), 'stats': lambda: ActivationStats(),
@@ -21,7 +24,7 @@ CBS = {'csv': lambda: CSVLogger(), 'graph': lambda: ShowGraphCallback(), 'stats'
        'plateau': lambda: ReduceLROnPlateau(), 'nan': lambda: TerminateOnNaNCallback(), 'accum': lambda: GradientAccumulation(),
        'clip': lambda: GradientClip(), 'bnfreeze': lambda: BnFreeze(), 'mixup': lambda: MixUp(), 'cutmix': lambda: CutMix(),
        'channels': lambda: ChannelsLast(), 'short': lambda: ShortEpochCallback(), 'mcdropout': None, 'cancels': None,
-       'cancel-fit': None, 'late': None}
+       'cancel-fit': None, 'wandb': None, 'late': None}
 p = argparse.ArgumentParser()
 p.add_argument('out')
 p.add_argument('--cb', required=True, choices=list(CBS))
@@ -46,6 +49,11 @@ class Late(Callback):
         say('LATE_EPOCH')
         learn = self.learn
         with learn.removed_cbs(self): learn.scores = learn.get_preds(dl=learn.dls.valid.new(shuffle=True))[0].sum()
+
+class Predicting(Callback):
+    "Say `NESTED` at the 2nd batch of the predictions `WandbCallback(log_preds=True)` makes in each `after_validate` (without itself)"
+    def after_batch(self):
+        if not self.training and self.iter == 1 and not any(type(c).__name__ == 'WandbCallback' for c in self.learn.cbs): say('NESTED')
 
 # `cancels`: each `Cancel*Exception` raised in each event where fastai's loop catches it, at `(epoch, iter)` (`None`: any);
 # validation's batches are told by `valid` (the event's phase); 12 epochs
@@ -77,16 +85,26 @@ set_seed(7, reproducible=True)
 x = torch.randn(96, 3, 8, 8)
 items = [(x[i], int(x[i, 0].mean() > 0)) for i in range(96)]
 dls = DataLoaders.from_dsets(items[:72], items[72:], bs=8, num_workers=0, device='cpu')
+if a.cb == 'wandb':  # the same items as fastai's image and category types, which `log_preds` decodes and draws (`wandb_process`)
+    dls = Datasets(range(96), [lambda i: TensorImage(x[i]), [lambda i: items[i][1], Categorize()]],
+                   splits=[range(72), range(72, 96)]).dataloaders(bs=8, num_workers=0, device='cpu')
 model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.3),
                       nn.Linear(8, 2))
 if a.cb == 'bnfreeze': model[1].requires_grad_(False)  # a frozen body's BatchNorm, whose statistics BnFreeze keeps
 cb = (Uncertainty() if a.cb == 'mcdropout' else Late() if a.cb == 'late' else Cancels(CANCELS) if a.cb == 'cancels'
-      else Cancels([(2, 4, 'after_batch', 'fit')]) if a.cb == 'cancel-fit' else CBS[a.cb]())
+      else Cancels([(2, 4, 'after_batch', 'fit')]) if a.cb == 'cancel-fit' else Predicting() if a.cb == 'wandb' else CBS[a.cb]())
 ar = []
 if not a.no_resume:
     from resumable_train.autoresume import AutoResume
     ar = [AutoResume(every_iter=3, verbose=False)]
 learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, path='.', cbs=[Report(), Windows(), cb, *ar])
+if a.cb == 'wandb':  # offline: the test's environment says where; one W&B run across the reruns (`wandb_id`)
+    import wandb
+    from fastai.callback.wandb import WandbCallback
+    wandb_config_fix()
+    if not a.no_resume: from resumable_train.trackers import wandb_id
+    wandb.init(project='resumable-train-tests', id='stockrun' if a.no_resume else wandb_id(learn), resume='allow')
+    learn.add_cb(WandbCallback())  # its defaults: `log_preds=True`, predictions at each `after_validate`, logged in `after_fit`
 if a.cb == 'graph':  # it draws on the progress bar, which prints nothing here: `Report`'s lines stay whole
     import fastprogress.fastprogress as fp
     fp.printing = lambda: False
@@ -94,11 +112,13 @@ if a.cb == 'graph':  # it draws on the progress bar, which prints nothing here: 
 else:
     with learn.no_bar(): learn.fit_one_cycle(12 if a.cb == 'cancels' else 4, 1e-2)
 save_result(learn, a.out)
+if a.cb == 'wandb': wandb.finish()
 # the random streams, and the fastai callbacks' plain attributes, beside `save_result`'s
 r = torch.load(a.out, weights_only=True)
 r['streams'] = [torch.get_rng_state(), torch.tensor(random.getstate()[1]), torch.from_numpy(np.random.get_state()[1].astype(np.int64))]
-def attrs(c):  # but the `Recorder`'s wall-clock time
-    return plain({k: v for k,v in vars(c).items() if isinstance(v, (int, float, str, bool, torch.Tensor)) and k != 'start_epoch'})
+def attrs(c):  # but the wall-clock times: the `Recorder`'s, and `WandbCallback`'s at a batch's start
+    return plain({k: v for k,v in vars(c).items() if isinstance(v, (int, float, str, bool, torch.Tensor))
+                  and k not in ('start_epoch', 'ti_batch')})
 r['cbs'] = {type(c).__name__: attrs(c) for c in learn.cbs if type(c).__module__.startswith('fastai.')}
 torch.save(r, a.out)
 print('DONE', flush=True)

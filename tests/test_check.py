@@ -32,18 +32,21 @@ def tree(d:Path)->dict:
 
 def test_command_exact(tmp_path):
     ("The command, as a user runs it on the digits script with every writer of a Learner's files (SaveModelCallback, CSVLogger, "
-     "TensorBoard, export, save) in a project that its last run left files in: killed at a random batch, resumed, exact at the end "
-     "of the fit call; the project's tree byte for byte the same, and nothing left in the temporary folder")
-    project,tmp = tmp_path/'project',tmp_path/'tmp'
-    (project/'run'/'models').mkdir(parents=True); tmp.mkdir()
+     "TensorBoard, export, save, W&B) in a project that its last run left files in: killed at a random batch, resumed, exact at the "
+     "end of the fit call; the project's tree byte for byte the same, nothing left in the temporary folder, and nothing in the "
+     "user's W&B folders (its cache and logs, its staged artifacts)")
+    project,tmp,user = tmp_path/'project',tmp_path/'tmp',tmp_path/'user'
+    (project/'run'/'models').mkdir(parents=True); tmp.mkdir(); user.mkdir()
     (project/'run'/'models'/'model.pth').write_bytes(b'the last run\'s best model')
     (project/'run'/'history.csv').write_text('epoch,train_loss\n0,1.0\n')
     before = tree(project)
-    rc,out,err = run_command([CMD, 'check', '--', PY, SCRIPT, 'run', '--writers'], timeout=300, cwd=project, env=dict(TMPDIR=str(tmp)))
+    env = dict(TMPDIR=str(tmp), WANDB_CACHE_DIR=str(user/'wandb-cache'), WANDB_DATA_DIR=str(user/'wandb-data'))
+    rc,out,err = run_command([CMD, 'check', '--', PY, SCRIPT, 'run', '--writers'], timeout=300, cwd=project, env=env)
     assert rc == 0, out + err
     assert re.search(r'^exact: killed after batch \d+, resumed from batch \d+, equal at batch 72, the end of fit call 1 in every tensor '
                      r'\(\d+ tensors, \d+ s\)$', out, re.M), out
-    assert out.count('check: ') == 3 and tree(project) == before and not list(tmp.iterdir()), (out, tree(project), list(tmp.iterdir()))
+    assert out.count('check: ') == 3 and tree(project) == before, (out, tree(project))
+    assert not list(tmp.iterdir()) and not list(user.iterdir()), (list(tmp.iterdir()), list(user.rglob('*')))
 
 def test_command_torchrun(tmp_path):
     "The command on `torchrun --nproc_per_node=2` (DDPTrainer, gloo): every rank stopped, then killed and relaunched; exact"

@@ -197,9 +197,9 @@ def test_demo_self_check(tmp_path, resume):
     else:
         assert rc == 1 and re.search(r'same weights as an uninterrupted run: no \(digest [0-9a-f]{12}, uninterrupted [0-9a-f]{12}\)', out), (rc, out[-3000:], err[-3000:])
 
-def _interrupt(tmp_path, when)->tuple:
-    "Start `resumable-train demo` in a session of its own, wait until `when(pid, output so far)`, Ctrl-C its group: exit status, output"
-    p = subprocess.Popen([CMD, 'demo', '--dir', tmp_path/'demo', '--epochs', '2'], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+def _interrupt(tmp_path, cmd, when)->tuple:
+    "Start `cmd demo` in a session of its own, wait until `when(pid, output so far)`, Ctrl-C its group: exit status, output"
+    p = subprocess.Popen([*cmd, 'demo', '--dir', tmp_path/'demo', '--epochs', '2'], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED='1'))
     out,deadline = b'',time.monotonic() + 120
     os.set_blocking(p.stdout.fileno(), False)
@@ -217,8 +217,10 @@ def _importing_torch(pid, out)->bool: return 'libtorch' in Path(f'/proc/{pid}/ma
 def _child_training(pid, out)->bool: return b'Epoch 1/2' in out
 
 @pytest.mark.parametrize('when', [_importing_torch, _child_training])
-def test_demo_ctrl_c(tmp_path, when):
-    "Ctrl-C while the command imports torch, or while a child of the demo trains: one line, exit 130, no traceback"
-    rc,out = _interrupt(tmp_path, when)
+@pytest.mark.parametrize('cmd', [[CMD], [PY, '-m', 'resumable_train.cli']], ids=['command', 'python-m'])
+def test_demo_ctrl_c(tmp_path, cmd, when):
+    ("Ctrl-C while the command (`resumable-train`, or `python -m resumable_train.cli`) imports torch, or while a child of the demo "
+     "trains: one line, exit 130, no traceback")
+    rc,out = _interrupt(tmp_path, cmd, when)
     assert rc == 130 and re.fullmatch(r'(?s)(.*\n)?resumable-train: interrupted \(Ctrl-C\)\n', out), (rc, out[-3000:])
     assert 'Traceback' not in out and 'AutoResume' not in out, out[-3000:]

@@ -5,7 +5,7 @@ import contextlib, io, json, random, struct
 from pathlib import Path
 import numpy as np, pytest, torch
 from forked import Forker, stock_server
-from helpers import TESTS
+from helpers import TESTS, wandb_env
 import killrerun as kr
 from resumable_train.cli import main
 from resumable_train.cli import plot_data, STOP_COLOR, RESUME_COLOR
@@ -140,9 +140,8 @@ def test_wandb_offline(forker, stock, tmp_path):
     """W&B offline: one run id across the reruns; a rerun logs from the step it resumed at, each step with the
     uninterrupted run's values (stock fastai's); sent in turn (`wandb sync`), the steps strictly increase"""
     pytest.importorskip('wandb')
-    env = lambda run: dict(WANDB_MODE='offline', WANDB_DIR=str(tmp_path/f'wandb-{run}'), WANDB_SILENT='true')
-    for run in ('ref', 'run', 'stock'): (tmp_path/f'wandb-{run}').mkdir()
-    ref,trained = killed_twice(forker, stock, tmp_path, 212, 'wandb', env=env)
+    envs = {run: wandb_env(tmp_path/f'wandb-{run}') for run in ('ref', 'run', 'stock')}
+    ref,trained = killed_twice(forker, stock, tmp_path, 212, 'wandb', env=envs.get)
     rid = (tmp_path/'run'/'models'/'autoresume.wandb-id').read_text().strip()
     runs,(_,want) = wandb_rows(tmp_path/'wandb-run'),*wandb_rows(tmp_path/'wandb-ref')
     assert {n.rpartition('-')[2] for n,_ in runs} == {rid}, [n for n,_ in runs]

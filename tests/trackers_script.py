@@ -34,7 +34,8 @@ if 'wandb' in kinds:
     from fastai.callback.wandb import WandbCallback
     if not stock: from resumable_train.trackers import wandb_id
     wandb.init(project='resumable-train-tests', id='stockrun' if stock else wandb_id(learn), resume='allow')  # offline: see test_trackers.py
-    learn.gather_args = dict  # fastai's WandbCallback cannot describe a dataset of tuples (its config: no matter here)
+    from helpers import wandb_config_fix
+    wandb_config_fix()
     learn.add_cb(WandbCallback(log_preds=False))
 with learn.no_bar(): learn.fit_one_cycle(3, 3e-2)  # no bar: `LateReport` prints after it, on lines of its own
 save_result(learn, out)
