@@ -54,6 +54,8 @@ def _set_learn(self, learn):
     if learn is not None and look not in learn.cbs: learn.add_cb(look)
     # the run's identity, where `after_create` did not take it (a Learner made before the package was imported)
     if learn is not None: learner_identity(learn)
+    # under `resumable-train check`, what the Learner writes before its first fit call too (`learn.export` as it is made)
+    if learn is not None and (c := checking()) is not None: c.confine(learn)
 
 def _from_rank0(o):
     "Rank 0's `o` on every rank of the process group: one answer where the nodes' folders differ"

@@ -34,6 +34,7 @@ class Digits(torch.utils.data.Dataset):
     def __init__(self, x, y): self.x,self.y = x,y
     def __len__(self): return len(self.x)
     def __getitem__(self, i): return self.x[i] + (0.01*unseeded.random() if a.defect == 'random' else 0.), self.y[i]
+    def new_empty(self): return Digits(self.x[:0], self.y[:0])  # what `learn.export` keeps of the data
 
 class Stream(torch.utils.data.IterableDataset):
     "The same items as a plain stream, with no state of its own"
@@ -96,6 +97,11 @@ if a.writers:  # every writer of a Learner's files; W&B's predictions need fasta
     wandb_config_fix()
     cbs += [SaveModelCallback(), CSVLogger(), TensorBoardCallback(trace_model=False, log_preds=False),
             WandbCallback(log_preds=False, log_model=True)]
+    class Exports(Callback):
+        "`learn.save` inside the fit call that `check` runs (after it, the check's runs have stopped)"
+        def after_epoch(self):
+            if self.epoch == 0: self.learn.save('epoch1')
+    cbs += [Exports()]
 if a.model == 'ddp':
     from resumable_train.distributed import DDPTrainer
     cbs.insert(0, DDPTrainer(timeout=30))
@@ -104,8 +110,9 @@ if a.writers:  # one W&B run across a killed run and its rerun
     import wandb
     from resumable_train.trackers import wandb_id
     wandb.init(project='resumable-train-check', id=wandb_id(learn), resume='allow')
+if a.writers: learn.export()  # before the fit call (inside it, fastai cannot pickle CSVLogger's open file)
 with learn.no_bar(), learn.no_logging():
     if a.model == 'vision': learn.fine_tune(1, freeze_epochs=1)
     else: learn.fit_one_cycle(2, 1e-2)
-if a.writers: learn.export(); learn.save('final'); wandb.finish()
+if a.writers: wandb.finish()
 print('DONE', learn.train_iter)

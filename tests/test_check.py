@@ -39,6 +39,8 @@ def test_command_exact(tmp_path):
     (project/'run'/'models').mkdir(parents=True); tmp.mkdir(); user.mkdir()
     (project/'run'/'models'/'model.pth').write_bytes(b'the last run\'s best model')
     (project/'run'/'history.csv').write_text('epoch,train_loss\n0,1.0\n')
+    (project/'run'/'models'/'epoch1.pth').write_bytes(b'the last run\'s learn.save')
+    (project/'run'/'export.pkl').write_bytes(b'the last run\'s learn.export')
     before = tree(project)
     env = dict(TMPDIR=str(tmp), WANDB_CACHE_DIR=str(user/'wandb-cache'), WANDB_DATA_DIR=str(user/'wandb-data'))
     rc,out,err = run_command([CMD, 'check', '--', PY, SCRIPT, 'run', '--writers'], timeout=300, cwd=project, env=env)
