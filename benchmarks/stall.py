@@ -5,7 +5,7 @@ from resumable_train.autoresume import AutoResume
 from common import *
 
 class TimedAutoResume(AutoResume):
-    "`AutoResume` that notes the time its `after_batch` takes when it writes a resume point, and the time of each write"
+    "`AutoResume` that notes the time its batch's end (`_batch_end`, once every callback saw `after_batch`) takes when it writes a resume point, and the time of each write"
     def before_fit(self):
         super().before_fit()
         self.stalls,self.writes,w = [],[],self.writer
@@ -15,9 +15,9 @@ class TimedAutoResume(AutoResume):
             write(*args)
             self.writes.append(time.perf_counter() - t)
         w._write = _timed
-    def after_batch(self):
+    def _batch_end(self):
         n,t = self.points.next_num,time.perf_counter()
-        super().after_batch()
+        super()._batch_end()
         if self.points.next_num != n: self.stalls.append(time.perf_counter() - t)
 
 class Compute(Callback):
