@@ -41,9 +41,16 @@ from resumable_train.distributed import DDPTrainer
 
 class Ledger(Callback):
     "Log what each training batch trained; kill, mark or slow down where the arguments say"
-    order = AutoResume.order+1   # after AutoResume wrote its resume point
+    order = AutoResume.order+1
     def before_fit(self): self.f = open(out/f'ledger-{args.tag}-rank{rank}.jsonl', 'a')
-    def before_batch(self): self.pct = self.pct_train
+    def before_batch(self):
+        self.pct = self.pct_train
+        if self.training: self._kill()
+    def _kill(self):
+        "At the event after training batch `--kill-at`: past the write of its resume point (once every callback saw its `after_batch`)"
+        if self.train_iter == args.kill_at and attempt == 0 and args.kill_rank in (-1, rank):
+            if args.kill_rank == -1 and dist.is_initialized(): dist.barrier()   # every rank past the write of the resume point
+            os.kill(os.getpid(), signal.SIGKILL)
     def after_batch(self):
         if not self.training: return
         idx = [index[v] for v in self.xb[0][:,0].tolist()]
@@ -52,10 +59,8 @@ class Ledger(Callback):
         self.f.flush()
         if args.sleep: time.sleep(args.sleep)
         if rank == 0 and self.train_iter == args.mark_at: (out/f'marker-{args.tag}').touch()
-        if self.train_iter == args.kill_at and attempt == 0 and args.kill_rank in (-1, rank):
-            if args.kill_rank == -1 and dist.is_initialized(): dist.barrier()   # every rank past the write of the resume point
-            os.kill(os.getpid(), signal.SIGKILL)
     def before_validate(self):
+        self._kill()  # the epoch's last batch
         if rank == 0 and args.slow_valid and self.epoch == 0: time.sleep(args.slow_valid)
     def after_fit(self):   # a fit call that AutoResume skips (it finished in an earlier run) never opened the file
         if (f := self.__dict__.pop('f', None)): f.close()
