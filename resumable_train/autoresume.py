@@ -292,14 +292,14 @@ class AutoResume(LeanCallback):
     def after_batch(self):
         # attributes read here straight from the Learner: through `GetAttr` each read costs a few µs
         learn = self.learn
-        if self.state == 'training' and learn.training: learn.resume.then = self._batch_end
+        if not (self.state == 'training' and learn.training): return
+        rs = learn.resume
+        self.runlog.reached(self.fit_index, rs.epoch, rs.iter+1, learn.train_iter)  # how far a killed process got
+        rs.then = self._batch_end
     def _batch_end(self):
-        learn = self.learn
-        train_iter = learn.train_iter
+        train_iter = self.learn.train_iter
         if self.check is not None and self.check.due(self.fit_index, train_iter):
             self.stop_signals(signal.SIGTERM, None)  # `resumable-train check`'s stop
-        rs = learn.resume
-        self.runlog.reached(self.fit_index, rs.epoch, rs.iter+1, train_iter)  # how far a killed process got
         due = self.due or bool(self.every_iter and train_iter % self.every_iter == 0)
         if self.every_secs:
             late = time.monotonic() - self.last_save >= self.every_secs
