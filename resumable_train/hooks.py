@@ -260,7 +260,9 @@ def _call_one(self:Learner, event_name):
     rs.depth = depth+1
     try:
         for cb in rs.callbacks(self.cbs, event_name, depth > 0): cb(event_name)
-    except BaseException: rs.then = None; raise
+    except BaseException:  # a callback of the fit call's own event raised: no `then` (one inside a nested call leaves it)
+        if not depth: rs.then = None
+        raise
     finally: rs.depth = depth
     if not depth and (then := rs.then) is not None: rs.then = None; then()
 Learner._call_one._fastai = _fastai['_call_one']
