@@ -12,6 +12,7 @@ from fastcore.basics import patch, noop
 from fastprogress.fastprogress import ConsoleProgressBar, printing
 from fastai.data.load import DataLoader, _FakeLoader
 from fastai.callback.core import Callback, TrainEvalCallback, event
+import fastai.callback.core as _core
 from fastai.learner import Learner, Recorder
 from .state import qualname
 
@@ -245,6 +246,9 @@ def one_batch(self:Learner, i, b):
     return _fastai['one_batch'](self, i, b)
 Learner.one_batch._fastai = _fastai['one_batch']
 
+# fastai's exceptions that steer its loop (`CancelBatchException` ... `CancelFitException`), not errors
+_CANCELS = tuple(v for k,v in vars(_core).items() if k.startswith('Cancel') and k.endswith('Exception'))
+
 @patch
 def _call_one(self:Learner, event_name):
     ("fastai's `_call_one`, sorting the callbacks once while they stay the same, and sending a `LeanCallback` only the "
@@ -260,7 +264,10 @@ def _call_one(self:Learner, event_name):
     rs.depth = depth+1
     try:
         for cb in rs.callbacks(self.cbs, event_name, depth > 0): cb(event_name)
-    except BaseException:  # a callback of the fit call's own event raised: no `then` (one inside a nested call leaves it)
+    except _CANCELS:  # fastai's own flow (a later callback cancelled the batch, the epoch, the fit): `then` first, as on
+        if not depth and (then := rs.then) is not None: rs.then = None; then()  # every rank, which may not all cancel
+        raise
+    except BaseException:  # an error in the fit call's own event: no `then` (one inside a nested call leaves it)
         if not depth: rs.then = None
         raise
     finally: rs.depth = depth

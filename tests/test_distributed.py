@@ -85,8 +85,10 @@ def test_every_secs(forker, tmp_path):
     # 1.4 s of sleep alone: at least 2 periodic points; at most one per `every` seconds the fit took, and the 2 epochs' ends
     assert 2 + 2 <= len(points) <= 2 + r0['secs']/every + 1, (sorted(points), r0['secs'])
 
-def test_stop_on_rank0_stops_both(forker, tmp_path):
-    ranks(forker, tmp_path, '--epochs', '4', '--stop-rank0-at', '1')
+@pytest.mark.parametrize('ar', [[], ['--every', '3']])
+def test_stop_on_rank0_stops_both(forker, tmp_path, ar):
+    "`CancelFitException` on rank 0 alone, in a callback ordered after `AutoResume`: both ranks stop there, with the same weights"
+    ranks(forker, tmp_path, '--epochs', '4', '--stop-rank0-at', '1', *ar)
     r0,r1 = results(tmp_path)
     assert r0['epochs'] == r1['epochs'] == 2 and r0['train_iter'] == r1['train_iter'] == 8
     assert_same_run([r0], [r1])
