@@ -539,6 +539,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                        'resumable_train.hooks._subclasses': ('hooks.html#_subclasses', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks._text_load': ('hooks.html#_text_load', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks._wrap_schedules': ('hooks.html#_wrap_schedules', 'resumable_train/hooks.py'),
+                                       'resumable_train.hooks.autoresume_in': ('hooks.html#autoresume_in', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks.check_fastai': ('hooks.html#check_fastai', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks.fastai_changes': ('hooks.html#fastai_changes', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks.fastai_code': ('hooks.html#fastai_code', 'resumable_train/hooks.py'),

@@ -555,7 +555,7 @@ def _parser():
                        description="Run your script three times (four or five when a resume is not exact): "
                                    "uninterrupted, killed with SIGKILL, resumed; compare the resume points bit for "
                                    "bit. It runs as you run it, in the folder you run it from, and everything a "
-                                   "Learner writes from its first fit call on (learn.save, learn.export, "
+                                   "Learner writes from when AutoResume joins it (learn.save, learn.export, "
                                    "SaveModelCallback, CSVLogger, TensorBoard logs, W&B's files, offline: WANDB_DIR, "
                                    "WANDB_CACHE_DIR, WANDB_DATA_DIR) goes to the check's scratch folder, removed at "
                                    "the end unless the verdict is 'not exact'; the script's temporary files (TMPDIR) "

@@ -151,7 +151,8 @@ class ResumeState:
         # this rank's random streams in the point being put back, which rank 0's replace there until the event ends
         self.rank_rng = None
         # what the running event of the fit call does once every callback has seen it (`AutoResume`'s resume point at
-        # `after_batch` and `after_epoch`: it holds what callbacks ordered after it did there), unless one raised
+        # `after_batch` and `after_epoch`: it holds what callbacks ordered after it did there), unless one raised an
+        # error
         self.then = None
     # `learn.export`: a Learner loaded with `load_learner` starts with no resume state
     def __getstate__(self): return {}
@@ -246,6 +247,10 @@ def one_batch(self:Learner, i, b):
     return _fastai['one_batch'](self, i, b)
 Learner.one_batch._fastai = _fastai['one_batch']
 
+def autoresume_in(learn):
+    "The `AutoResume` among `learn`'s callbacks (told by its `current_run`), `None` where it is given to each fit call"
+    return next((cb for cb in learn.cbs if callable(getattr(cb, 'current_run', None))), None)
+
 # fastai's exceptions that steer its loop (`CancelBatchException` ... `CancelFitException`), not errors
 _CANCELS = tuple(v for k,v in vars(_core).items() if k.startswith('Cancel') and k.endswith('Exception'))
 
@@ -264,14 +269,14 @@ def _call_one(self:Learner, event_name):
     rs.depth = depth+1
     try:
         for cb in rs.callbacks(self.cbs, event_name, depth > 0): cb(event_name)
-    except _CANCELS:  # fastai's own flow (a later callback cancelled the batch, the epoch, the fit): `then` first, as on
-        if not depth and (then := rs.then) is not None: rs.then = None; then()  # every rank, which may not all cancel
+    except BaseException as e:  # an error in the fit call's own event: no `then` (one inside a nested call leaves it);
+        # fastai's own flow (a later callback cancelled the batch, the epoch, the fit) runs it first, as on every rank,
+        # which may not all cancel
+        if not (depth or isinstance(e, _CANCELS)): rs.then = None
         raise
-    except BaseException:  # an error in the fit call's own event: no `then` (one inside a nested call leaves it)
-        if not depth: rs.then = None
-        raise
-    finally: rs.depth = depth
-    if not depth and (then := rs.then) is not None: rs.then = None; then()
+    finally:
+        rs.depth = depth
+        if not depth and (then := rs.then) is not None: rs.then = None; then()
 Learner._call_one._fastai = _fastai['_call_one']
 
 class LeanCallback(Callback):

@@ -15,7 +15,7 @@ from fastcore.xtras import join_path_file
 from .files import *
 from .state import *
 from .store import is_url, locate
-from .hooks import short_refusals, FitEvents, fastai_code, fit_call, is_a, when_imported
+from .hooks import short_refusals, FitEvents, fastai_code, fit_call, is_a, when_imported, autoresume_in
 from .collectives import read_on_rank0, world_size
 from .point import ResumePoint, restore_rest, make_point
 from .skip import SkipToIter
@@ -95,7 +95,7 @@ def _run_of(learn, mark:dict|None=None):
     ("The run (`RunState`) `learn` is part of: its last fit call's with `AutoResume`, the run of an `AutoResume` it "
      "has, or else the run a stage's `mark` names (`AutoResume` given to each fit call)")
     if learn.resume.run is not None: return learn.resume.run
-    ar = next((cb for cb in learn.cbs if callable(getattr(cb, 'current_run', None))), None)
+    ar = autoresume_in(learn)
     if ar is not None: return ar.current_run()
     # only a stage of a run that gave `AutoResume` to each fit call: the same script without `AutoResume` loads as fastai
     where = mark.get('where') if isinstance(mark, dict) and mark.get('per_call') else None

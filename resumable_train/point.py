@@ -13,7 +13,7 @@ from .files import adopt_history, log_ref, start_history, append_history
 from .state import *
 from .state import logged_histories
 from .fitcalls import run_setup, fit_plan_once, check_setup, fit_plan, check_plan, asked_hypers
-from .hooks import DEFAULT_HYPERS
+from .hooks import DEFAULT_HYPERS, autoresume_in
 from .workers import keepable
 from .loaders import check_callbacks, check_resumable, train_loader
 
@@ -238,7 +238,7 @@ def rest_point(learn)->dict:
                 frozen_idx=getattr(learn.opt, 'frozen_idx', None),
                 defaults={k: v for k in DEFAULT_HYPERS if _plain_default(v := getattr(learn, k, None))},
                 # `learn.load` puts it back only where it continues that run
-                run=learn.resume.stage_mark(not any(callable(getattr(c, 'current_run', None)) for c in learn.cbs)))
+                run=learn.resume.stage_mark(autoresume_in(learn) is None))
 
 
 def restore_rest(learn, rest:dict):
