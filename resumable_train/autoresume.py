@@ -294,7 +294,8 @@ class AutoResume(LeanCallback):
         learn = self.learn
         if not (self.state == 'training' and learn.training): return
         rs = learn.resume
-        self.runlog.reached(self.fit_index, rs.epoch, rs.iter+1, learn.train_iter)  # how far a killed process got
+        # how far a killed process got
+        self.runlog.reached(self.fit_index, rs.epoch, rs.loader.delivered, learn.train_iter)
         rs.then = self._batch_end
     def _batch_end(self):
         train_iter = self.learn.train_iter

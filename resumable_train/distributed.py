@@ -15,7 +15,7 @@ from .state import *
 from .state import metric_state, set_metric_state, qualname
 from .collectives import (world_size, group_device, collective, give_up, comm_failure, CollectiveError,
                                          watch_peers, stop_watching, name_trainer, agree)
-from .loaders import loader_record, reshards
+from .loaders import loader_record, reshards, train_loader
 from .shards import ShardDL, shard, is_stream
 from .point import ResumePoint, fit_position
 from .skip import fastai_pct
@@ -301,7 +301,7 @@ def before_train(self:DDPTrainer):
     "In the epoch a resume on another world size starts inside, train the rest of its order, shared among the ranks"
     r = self.rest
     if r is None or r['epoch'] != self.epoch: return
-    self.learn.dl = ShardDL(self._data(), self.rank, self.world_size, offset=r['offset'], first=r['first'])
+    train_loader(self.learn).serve(ShardDL(self._data(), self.rank, self.world_size, offset=r['offset'], first=r['first']))
 
 def _batches(n:int, ws:int, bs:int, drop_last:bool)->int:
     "Batches per rank of `n` samples of an epoch's order shared among `ws` ranks (padded to a multiple of `ws`)"

@@ -15,9 +15,10 @@ from pathlib import Path
 from .hooks import is_a, made_identity
 from .store import read_runlog, runlog_identity, run_files
 from .checkpoints import newest_valid
+from .loaders import TrainLoader, loader_of
 
 # %% auto #0
-__all__ = ['is_webdataset', 'loader_of', 'run_setup', 'setup_diff', 'check_setup', 'fit_plan', 'learner_identity']
+__all__ = ['run_setup', 'setup_diff', 'check_setup', 'fit_plan', 'learner_identity']
 
 # %% ../nbs/02_fitcalls.ipynb #13b37f49
 def _arch(model)->list:
@@ -35,18 +36,6 @@ def _data_setup(dl)->dict:
     if hasattr(dl, 'after_item'): out.update(item_tfms=_tfm_names(dl.after_item), batch_tfms=_tfm_names(dl.after_batch))
     return out
 
-def is_webdataset(o)->bool: return any(c.__module__.startswith('webdataset.') for c in type(o).__mro__)
-
-def loader_of(dl):
-    "The loader that iterates `dl`: the PyTorch `DataLoader` of a webdataset `WebLoader` of one stage, else `dl` itself"
-    p = getattr(dl, 'pipeline', None) if is_webdataset(dl) else None
-    return p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], torch.utils.data.DataLoader) else dl
-
-def _len_exact(dl)->bool:
-    "Is `len(dl)` the number of batches each epoch holds (a map-style dataset), not a hint (a stream's `__len__`)?"
-    ds = getattr(dl, 'dataset', None)
-    return ds is None or hasattr(ds, '__getitem__') and not isinstance(ds, torch.utils.data.IterableDataset)
-
 def run_setup(learn, n_epoch:int,
               start:bool=False, # as a fit call starts: with the parameters it trains (those `freeze` leaves)
              )->dict:
@@ -57,7 +46,7 @@ def run_setup(learn, n_epoch:int,
                 n_items=getattr(dl, 'n', None) or len(dl.dataset),
                 n_params=sum(p.numel() for p in learn.model.parameters()),
                 schedule=learn.resume.schedule, world_size=num_distrib() or 1, model=_arch(learn.model),
-                **({} if _len_exact(dl) else {'len_estimate': True}),
+                **({} if TrainLoader(learn).exact else {'len_estimate': True}),  # its epochs may deliver more or fewer
                 **({'trainable_params': sum(p.numel() for p in learn.model.parameters() if p.requires_grad)} if start
                    else {}))
 

@@ -119,9 +119,9 @@ class ResumeState:
         # events being sent, one inside the other: more than one inside an event, where a callback called `one_batch`,
         # `validate`, `get_preds` or `fit` (a call inside an event, which is not the run's: `nested`)
         self.depth = 0
-        # where the fit call's own loop is: its epoch, its batch (counted from the epoch's start), its phase ('train',
-        # 'validate' or `None`); told by the outermost loop alone, never by a call inside an event
-        self.epoch,self.iter,self.phase = 0,0,None
+        # where the fit call's own loop is: its epoch and its phase ('train', 'validate' or `None`), told by the
+        # outermost loop alone, never by a call inside an event (its batch is the training DataLoader's owner's)
+        self.epoch,self.phase = 0,None
         # the running fit call's `n_epoch` (a fit inside an event sets the Learner's); how many fits (or validations
         # that send `before_fit`) its callbacks made inside its events, whose `n_epoch` and counters the Learner keeps
         # (as fastai's does; `attrs` put `n_epoch` back on a resume)
@@ -129,8 +129,8 @@ class ResumeState:
         # the fit method the user called; `start_epoch`, `start_iter` it passed
         self.call,self.start = None,(0, 0, 'fit')
         self.schedule = 'fit'  # the fit method whose schedule the running call follows
-        # the first epoch that sends events, and the batch it starts at (until it does); the first batch of this epoch
-        self.start_epoch,self.start_iter,self.first_iter = 0,0,0
+        # the first epoch that sends events, and the batch it starts at (until it does)
+        self.start_epoch,self.start_iter = 0,0
         self.skipping = False  # the running fit call finished in an earlier run: it trains nothing
         self.asked = []  # the optimizer's hyperparameters as the running fit call was asked for them, by group
         # `learn.load` put back a stage's random streams and gradients (`rest_point`) since the last fit
@@ -144,7 +144,8 @@ class ResumeState:
         self.zeroed = False  # in a fit: `zero_grad` zeroed the gradients (after a step), not known before the first
         self.plan = None  # the running fit call's `fit_plan`, worked out once (`fit_plan_once`)
         # the resume point the running fit call continues (`pending`, taken); the owner of its training DataLoader
-        # (`loaders.TrainLoader`: its patches, its epoch's start, its part of a resume point), made at its first use
+        # (`loaders.TrainLoader`: its patches, the batches its epoch delivered, its epoch's start, its part of a resume
+        # point), made at its first use
         self.point,self.loader = None,None
         self.rest = None  # an elastic resume's plan for the rest of the epoch it starts in (`DDPTrainer.plan_resume`)
         self.loads = 0  # calls of the package's `Learner.load`: `load_through` checks that a subclass's reaches it
@@ -171,7 +172,7 @@ class ResumeState:
         self.skipping,self.start_epoch,self.pending = True,math.inf,None
     def begin(self, schedule:str, n_epoch:int):
         "A fit call of the run starts"
-        self.fitting,self.schedule,self.event,self.epoch,self.iter,self.phase = True,schedule,None,0,0,None
+        self.fitting,self.schedule,self.event,self.epoch,self.phase = True,schedule,None,0,None
         self.n_epoch,self.inner_fits,self.attrs = n_epoch,0,{}
         self.sent = (), {}, []  # sorted again: a handler set on a callback since the last fit (`cb.after_batch = f`)
     @property
@@ -179,7 +180,7 @@ class ResumeState:
     def end(self):
         "The fit call ended, whatever the way"
         self.fitting,self.skipping,self.rested = False,False,False
-        self.start_epoch,self.start_iter,self.first_iter = 0,0,0
+        self.start_epoch,self.start_iter = 0,0
         if self.loader is not None: self.loader.close()
         self.point,self.loader,self.rest = None,None,None
     def stage_mark(self, per_call:bool=False, # no `AutoResume` in the Learner: it is given to each fit call
@@ -234,16 +235,16 @@ def _with_events(self:Learner, f, event_type, ex, final=noop):
             rs.attrs = {}
     if event_type not in ('train', 'validate'): return stock(self, f, event_type, ex, final)
     rs.phase = event_type
-    # however the phase ends (a `CancelEpochException` skips `after_train`): the next numbers its batches from 0
     try: return stock(self, f, event_type, ex, final)
-    finally: rs.phase,rs.first_iter = None,0
+    finally: rs.phase = None  # however the phase ends (a `CancelEpochException` skips `after_train`)
 Learner._with_events._fastai = _fastai['_with_events']
 
 @patch
 def one_batch(self:Learner, i, b):
     rs = self.resume
     if rs.depth: return _fastai['one_batch'](self, i, b)  # called inside an event (`TensorBoardCallback`'s `log_preds`)
-    rs.iter = i = i + rs.first_iter
+    # the training DataLoader's owner counts the batch, numbered from its epoch's start (a resumed epoch's is not 0)
+    if rs.phase == 'train' and (tl := rs.loader) is not None: i = tl.deliver(i)
     return _fastai['one_batch'](self, i, b)
 Learner.one_batch._fastai = _fastai['one_batch']
 

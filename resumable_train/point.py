@@ -58,7 +58,8 @@ def fit_position(learn):
     ("Where the running fit call continues after the event of its own being sent: `(epoch, batch)`, or `None` "
      "(its start, validation, its end); what a call inside an event does moves nothing")
     rs = learn.resume
-    if rs.event == 'after_batch' and rs.phase == 'train': return rs.epoch, rs.iter+1
+    # the batches the epoch delivered: told by the owner of the training DataLoader
+    if rs.event == 'after_batch' and rs.phase == 'train': return rs.epoch, rs.loader.delivered
     if rs.event == 'after_epoch': return rs.epoch+1, 0
 
 def log_owner(hs:dict, names)->tuple:
@@ -155,7 +156,7 @@ def capture(learn)->ResumePoint|None:
     tl = train_loader(learn)
     er = tl.epoch_start if it else None  # the random streams and the loader's state at the epoch's start
     # inside an epoch, also how the training DataLoader resumes and where it is: refuses a point no run could continue
-    loaders = [tl.state_dict(it), *loader_states(learn)[1:]]
+    loaders = [tl.state_dict(inside=bool(it)), *loader_states(learn)[1:]]
     return ResumePoint(dict(
         to_plain(dict(epoch=epoch, iter=it, train_iter=learn.train_iter, pct_train=learn.pct_train,
                       hypers=learn.opt.hypers, setup=run_setup(learn, rs.n_epoch), meta=_meta(), **_inner_fits(learn))),

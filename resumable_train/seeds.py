@@ -14,7 +14,7 @@ from fastcore.basics import GetAttr
 from fastai.data.load import DataLoader
 from fastai.callback.core import Callback
 from .state import *
-from .hooks import ResumeState, LeanCallback, internal
+from .hooks import LeanCallback, internal
 from .loaders import train_loader
 
 # %% ../nbs/02e_seeds.ipynb #fa1344f9
@@ -36,11 +36,11 @@ def _seeded_idxs(dl, get_idxs, rng_dl):
 def _batch_seed(epoch_seed, i:int|list):
     return int(np.random.SeedSequence([epoch_seed, *(i if isinstance(i, list) else [i])]).generate_state(1)[0])
 
-def _seeded_batches(dl, resume, samps):
+def _seeded_batches(dl, loader, samps):
     "Like `DataLoader.create_batches`, with each batch's items made under a seed of (epoch order, batch index)"
     if dl.dataset is not None: dl.it = iter(dl.dataset)
     idxs = list(internal(dl, '_DataLoader__idxs', 'fastai'))  # the order `DataLoader.__iter__` drew for this epoch
-    bs,first,nw,offs = dl.bs or 1,resume.first_iter,dl.num_workers,dl.offs
+    bs,first,nw,offs = dl.bs or 1,loader.first,dl.num_workers,dl.offs  # the batch the epoch's iteration starts at
     do_item,do_batch,prebatched,drop_last,seed = dl.do_item,dl.do_batch,dl.prebatched,dl.drop_last,dl._epoch_seed
     for i in range(offs, -(-len(idxs)//bs), nw):
         with seeded(_batch_seed(seed, first+i)):
@@ -73,11 +73,11 @@ class _SeededItems(GetAttr):
         if info is None or key is None: return self._items(b)
         with seeded(_batch_seed(info.seed - info.id, key)): return self._items(b)
 
-def _seed_patches(dl, rng_dl, resume)->dict:
+def _seed_patches(dl, rng_dl, loader)->dict:
     "What `SeedBatches` patches in a fastai DataLoader (seeded by `rng_dl.rng`), or a PyTorch one (map-style)"
     if isinstance(dl, DataLoader):
         return dict(get_idxs=partial(_seeded_idxs, dl, dl.get_idxs, rng_dl),
-                    create_batches=partial(_seeded_batches, dl, resume))
+                    create_batches=partial(_seeded_batches, dl, loader))
     if not isinstance(dl, torch.utils.data.DataLoader) or dl.batch_sampler is None: return {}
     if isinstance(dl.dataset, torch.utils.data.IterableDataset): return {}
     if dl.persistent_workers: return {}  # their base seed is drawn once: every epoch would repeat the same draws
@@ -93,7 +93,7 @@ class SeedBatches(LeanCallback):
     def before_train(self):
         tl,dl = train_loader(self.learn),self.learn.dl
         tl.unpatch('seeds')  # a training phase that an exception ended left its patches
-        tl.patch('seeds', dl, **_seed_patches(dl, self.dls.train, self.learn.resume))
+        tl.patch('seeds', dl, **_seed_patches(dl, self.dls.train, tl))
     def after_train(self):  # (`learn` is `None` once `AutoResume` removed it, at the fit call's end)
         if self.learn is not None and (tl := self.learn.resume.loader) is not None: tl.unpatch('seeds')
     after_fit = after_train

@@ -12,9 +12,8 @@ import torch
 from fastcore.basics import GetAttr
 from .files import *
 from .state import *
-from .fitcalls import loader_of
 from .hooks import LeanCallback
-from .loaders import Resumed, TrainLoader, check_len, loader_kind, replayed, train_loader
+from .loaders import Resumed, TrainLoader, loader_of, check_len, loader_kind, replayed, train_loader
 from .point import restore, restore_epoch
 
 # %% ../nbs/02d_skip.ipynb #b5c59e93
@@ -117,7 +116,7 @@ class SkipToIter(LeanCallback):
         if rs.epoch != rs.start_epoch or not rs.start_iter:  # the loop's epoch (a `validate` inside an event sets 0)
             tl.start_epoch()
             # the stream draws from its own random streams in every epoch, so that a replay of this one sees them
-            if replayed(self.dl): self.learn.dl = Resumed(loader_of(self.dl), 0, 'replay', loader=tl)
+            if replayed(self.dl): tl.serve(Resumed(loader_of(self.dl), 0, 'replay', loader=tl))
             return
         kind,point = loader_kind(self.dl),rs.point
         if point is None:
@@ -131,8 +130,7 @@ class SkipToIter(LeanCallback):
                     f"{point.file} was written with a training DataLoader that resumes inside an epoch by "
                     f"{saved['kind']!r}; this one ({type(self.dl).__name__}) resumes by {kind!r}: "
                     "use the same kind of DataLoader, or resume from an epoch's end")
-        self.learn.dl = _fast_forward(self.dl, rs.start_iter, kind, start, saved.get('position'), tl)
-        rs.first_iter,rs.start_iter = rs.start_iter,0
-
-    def after_train(self): self.learn.resume.first_iter = 0  # validation numbers its batches from 0
+        tl.serve(_fast_forward(self.dl, rs.start_iter, kind, start, saved.get('position'), tl))
+        tl.skip_to(rs.start_iter)  # the owner numbers the epoch's batches from there
+        rs.start_iter = 0
 

@@ -148,5 +148,6 @@ class WorkerStreams(LeanCallback):
     def state(self)->list|None:
         ("The streams a resume point keeps after the batch just trained: after each residue's last trained batch of "
          "this epoch")
-        return None if self.workers is None else self.workers.state(self.learn.resume.iter + 1 - self.workers.first)
+        if (tl := self._loader()) is None or tl.workers is None: return None
+        return tl.workers.state(tl.delivered - tl.workers.first)
     def resume(self, saved:list, first:int): self.workers.resume(saved, first)
