@@ -130,11 +130,53 @@ def run_secs(quick=False, device=None, reps=None):
                        f"wrappers of `one_batch` and `_with_events` {o['wrappers']:.1f}): {extra:+.1f} µs a batch, "
                        f"{extra/(base/n*1e6):+.2%} of a batch, "
                        f"{'met' if extra <= 20 and extra/(base/n*1e6) <= 0.01 else 'NOT met'} (goal ≤ 1% and ≤ 20 µs)")
+    ev = _events_cost(learn, quick)
+    t.notes.append(f"a batch's eight events alone (`before_batch` ... `after_batch`, sent {ev['n']:,} times in a row inside a training "
+                   "phase, the Recorder's tensor work off: the same in every variant; best of 5 blocks in each of "
+                   f"{ev['reps']} fits a variant, interleaved): stock fastai {ev['stock']:.1f} µs, the package imported "
+                   f"{ev['none']:.1f} µs ({ev['none']-ev['stock']:+.1f}), AutoResume(every_secs=10) {ev['ar']:.1f} µs "
+                   f"({ev['ar']-ev['stock']:+.1f} against stock, {ev['ar']-ev['none']:+.1f} against the package's loop alone): "
+                   f"{'met' if ev['ar']-ev['stock'] <= 20 else 'NOT met'} (≤ 20 µs)")
     t.notes.append("the end-to-end columns compare whole fits, and identical fits of this loop differ by several percent on this machine; "
                    "the in-loop figures take the callbacks' own work (the Recorder's tensor work, the same in both) out of the "
                    "comparison and leave what the package adds")
-    t.raw = dict(times, own=own)
+    t.raw = dict(times, own=own, events=ev)
     return t
+
+_EVENTS = ('before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step', 'after_step', 'after_batch')
+
+def _events_cost(learn, quick=False)->dict:
+    """µs of a training batch's events alone, sent to the Learner's callbacks from inside a training phase (its first batches trained
+    for real: the loss, the counters), in fastai's own loop ('stock'), with the package imported ('none') and with
+    `AutoResume(every_secs=10)` ('ar'): what each adds to a batch, without the model's work and its noise"""
+    from fastai.learner import Learner
+    (n,reps),got = (200, 1) if quick else (5000, 3),{}
+    def timed(self):
+        if not self.training: return old(self)
+        self.n_iter = len(self.dl)
+        for i,b in zip(range(2), self.dl): self.one_batch(i, b)
+        self.recorder.run = False  # its tensor work (the smoothed loss), the same in every variant
+        try:
+            best = []
+            for _ in range(5):
+                t = time.perf_counter_ns()
+                for _ in range(n):
+                    for e in _EVENTS: self(e)
+                best.append((time.perf_counter_ns() - t)/n/1e3)
+        finally: self.recorder.run = True
+        got.setdefault(self.variant, []).append(min(best))
+    old = Learner.all_batches
+    Learner.all_batches = timed
+    try:
+        for r in range(reps):
+            ks = ['stock', 'none', 'ar']; random.Random(r).shuffle(ks)
+            for k in ks:
+                learn.variant = k
+                with tempfile.TemporaryDirectory(prefix='bench-ev-') as d, _stock_loop(k == 'stock'), learn.no_logging():
+                    learn.path = Path(d)
+                    learn.fit(1, cbs=[AutoResume(verbose=False, every_secs=10)] if k == 'ar' else [])
+    finally: Learner.all_batches = old; learn.__dict__.pop('variant', None)
+    return dict(n=n, reps=reps, **{k: min(v) for k,v in got.items()})
 
 def _loop_cost(learn, init, n, ar)->dict:
     """µs a batch of the training phase spent in the loop's machinery rather than in a callback's own work: the event dispatch
