@@ -245,11 +245,14 @@ class TrainLoader:
         es,w = self.epoch_start,self.workers
         return dict(sd, epoch=None if es is None else es['loader'], **loader_record(self.dl),
                     workers=None if w is None else w.state(self.delivered - w.first))
-    def load_epoch_start(self, start:dict, # `epoch_start` without the loader's state, as a resume point keeps it
-                         sd:dict): # `state_dict` inside the epoch
-        "Put the loader as the resumed epoch started, and keep that start for the next resume points in it"
+    def load_state_dict(self, sd:dict, # `state_dict` inside the epoch
+                        start:dict, # `epoch_start` without the loader's state, as a resume point keeps it
+                        at:int): # the batches the epoch had delivered
+        ("Put the loader as the resumed epoch started (keeping that start for the next resume points in it), its workers' "
+         "streams as they were after batch `at`")
         self.epoch_start = dict(start, loader=sd['epoch'])
         LoaderState(self.dl).load_state_dict(sd['epoch'])
+        if self.workers is not None: self.workers.resume(sd['workers'], at)
 
 def train_loader(learn)->TrainLoader:
     "The owner of `learn`'s training DataLoader for the running fit call (`learn.resume.loader`), made at its first use"

@@ -196,16 +196,14 @@ def restore_epoch(learn, point:ResumePoint)->dict:
     rec,rs = point.rec,learn.resume
     learn.pct_train = rec['pct_train']
     er,tl = rec['epoch_rng'],train_loader(learn)
-    tl.load_epoch_start(er, point.loader)  # the next points in this epoch keep its start
+    saved = point.loader.get('workers')
+    if tl.workers is not None and (saved is None or len(saved) != tl.workers.n):  # the workers go on from their streams
+        raise CheckpointError(f"{point.file} holds no random streams of the training DataLoader's {tl.workers.n} "
+                              "workers (a resume point of resumable_train 0.4, which seeded each batch instead): "
+                              "its epoch cannot go on as it began; continue it with resumable_train 0.4, or resume "
+                              "from an epoch's end")
+    tl.load_state_dict(point.loader, er, rec['iter'])  # the next points in this epoch keep its start
     restore_streams(learn, rec, dls=False, fresh=point.fresh)
-    if tl.workers is not None:  # the workers start from the streams the point keeps
-        saved = point.loader.get('workers')
-        if saved is None or len(saved) != tl.workers.n:
-            raise CheckpointError(f"{point.file} holds no random streams of the training DataLoader's {tl.workers.n} "
-                                  "workers (a resume point of resumable_train 0.4, which seeded each batch instead): "
-                                  "its epoch cannot go on as it began; continue it with resumable_train 0.4, or resume "
-                                  "from an epoch's end")
-        tl.workers.resume(saved, rec['iter'])
     return _epoch_start(er, rec['rng'])
 
 def restore_end(learn, point:ResumePoint,
