@@ -301,7 +301,8 @@ def before_train(self:DDPTrainer):
     "In the epoch a resume on another world size starts inside, train the rest of its order, shared among the ranks"
     r = self.rest
     if r is None or r['epoch'] != self.epoch: return
-    train_loader(self.learn).serve(ShardDL(self._data(), self.rank, self.world_size, offset=r['offset'], first=r['first']))
+    rest = ShardDL(self._data(), self.rank, self.world_size, offset=r['offset'], first=r['first'])
+    train_loader(self.learn).serve(rest)
 
 def _batches(n:int, ws:int, bs:int, drop_last:bool)->int:
     "Batches per rank of `n` samples of an epoch's order shared among `ws` ranks (padded to a multiple of `ws`)"

@@ -248,8 +248,8 @@ class TrainLoader:
     def load_state_dict(self, sd:dict, # `state_dict` inside the epoch
                         start:dict, # `epoch_start` without the loader's state, as a resume point keeps it
                         at:int): # the batches the epoch had delivered
-        ("Put the loader as the resumed epoch started (keeping that start for the next resume points in it), its workers' "
-         "streams as they were after batch `at`")
+        ("Put the loader as the resumed epoch started (keeping that start for the next resume points in it), its "
+         "workers' streams as they were after batch `at`")
         self.epoch_start = dict(start, loader=sd['epoch'])
         LoaderState(self.dl).load_state_dict(sd['epoch'])
         if self.workers is not None: self.workers.resume(sd['workers'], at)
