@@ -419,7 +419,7 @@ FAMILY_WINDOWS = {'retry': ('before_raise', 'retry_start', 'retry'), 'stream': (
 
 def family_windows(info)->tuple:
     "The kill windows of the script's family (`info` from `make_script`), if it has its own"
-    return FAMILY_WINDOWS.get((info.get('family') or ' ').split()[0], ())
+    return FAMILY_WINDOWS.get((info.get('family') or 'none').split()[0], ())
 
 def parse(lines)->list:
     "The events a run printed: `(kind, id, *ints)`"
