@@ -116,7 +116,7 @@ def report(cases, a, wall, keep, heads=None):
     table('shape', lambda c: [c['info']['shape']] + ['MixUp'] * c['info']['mixup'], list(SHAPES) + ['MixUp'])
     fam = lambda c: (c['info'].get('family') or 'none').split()  # 'nested get_preds': in 'nested' and 'get_preds'
     table('family (issue 48: calls inside `after_epoch`, cancels, retries, streams)', lambda c: fam(c)[:1], ['none', *FAMILIES])
-    hows = (('nested', ('get_preds', 'validate', 'one_batch')), ('cancel', ('epoch', 'valid', 'step')), ('retry', ('loop', 'fallback')),
+    hows = (('nested', ('get_preds', 'validate', 'one_batch')), ('cancel', ('epoch', 'valid', 'step')), ('retry', ('loop', 'fallback-ValueError', 'fallback-RuntimeError')),
             ('stream', ('kept-long', 'kept-short', 'replay-long', 'replay-short')))
     table('family, by what it does', lambda c: [' '.join(fam(c)[:2]).rstrip(':')], [f'{f} {h}' for f,hs in hows for h in hs])
     table('app', lambda c: [c['info']['app']], ['digits', 'text'])

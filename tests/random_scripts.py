@@ -331,8 +331,9 @@ def _family(seed, family, mixup:bool, app:str, shape:str)->dict:
     return out
 
 def _retry(rng, app, shape)->dict:
-    ("A fit call that meets a transient error (`Flaky`), then the same call again in a loop, or another in its place; "
-     "`Flaky`'s line (`LINE`) is set once the script is written")
+    ("A fit call that meets a transient error (`Flaky`), then the same call again in a loop, or another in its place (caught as a "
+     "`ValueError`, as the package's refusals are too, or a `RuntimeError`); `Flaky`'s line (`LINE`) is set once the script is "
+     "written")
     how,kind,n = rng.choice(['loop', 'fallback']),rng.choice(['fit', 'fit_one_cycle', 'fit_flat_cos']),rng.choice([1, 2])
     n = n if app == 'digits' else 1
     at,per_call = rng.randint(1, 8*n - 1),', cbs=autoresume()' * (shape == 'per_call')
@@ -342,9 +343,8 @@ def _retry(rng, app, shape)->dict:
                 "        break", "    except RuntimeError: print('RETRY', attempt, flush=True)"]
         exc,line = 'RuntimeError',body[2]
     else:
-        other = f"learn.{rng.choice(['fit_one_cycle', 'fit'])}(1, 1e-3{per_call})"
-        body,exc = [f"try: {call}", f"except ValueError: {other}  # another call in its place"],'ValueError'
-        line = body[0]
+        other,exc = f"learn.{rng.choice(['fit_one_cycle', 'fit'])}(1, 1e-3{per_call})",rng.choice(['ValueError', 'RuntimeError'])
+        body,line,how = [f"try: {call}", f"except {exc}: {other}  # another call in its place"],f"try: {call}",f'{how}-{exc}'
     return dict(cbs=f" + [Flaky(LINE, {at}, {exc})]", body=body, line=line,
                 desc=f"retry {how} {call.replace(per_call, '')}, raise after batch {at}")
 
