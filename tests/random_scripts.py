@@ -530,7 +530,9 @@ def _trace(lines)->str:
     last,first = one(exc[-1]),one(exc[0])
     return last if first == last else f'{last} (raised while handling {first})'
 
-def _last(lines)->str: return next((l.strip() for l in reversed(lines) if l.strip()), '')[:300]
+def _last(lines)->str:
+    "The last line of a run's output, but the package's hint that follows a refusal: the refusal itself"
+    return next((l.strip() for l in reversed(lines) if l.strip() and not l.startswith('(RESUMABLE_TRAIN_DEBUG')), '')[:300]
 
 class Outcome(Exception):
     "How a case ended: `kind` is 'passed', 'refused' or 'failed'"
