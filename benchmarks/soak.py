@@ -1,9 +1,11 @@
 """Soak: issue 28's randomized scripts for a time budget. Each case is a generated script (tests/random_scripts.py) run uninterrupted
 with AutoResume and as stock fastai, killed at one or two points drawn in the kill windows (turn by turn, so that every window is
-hit), rerun to the end and once more. It reports "scripts × kills passed / refused / failed" and each failure's seed, script and
-symptom, on stdout and in benchmarks/results/soak.md (a failed case's folder is kept, its path printed).
+hit; a family with windows of its own has its first kill in one of them), rerun to the end and once more. It reports "scripts ×
+kills passed / refused / failed" and each failure's seed, script and symptom, on stdout and in benchmarks/results/soak.md (a
+failed case's folder is kept, its path printed).
 
-`python benchmarks/soak.py --minutes 10 [--seed 0] [--cases N] [--text 0.25] [--shapes one,cached] [--no-mixup] [--out DIR] [--keep DIR]`
+`python benchmarks/soak.py --minutes 10 [--seed 0] [--cases N] [--text 0.25] [--shapes one,cached] [--families retry,stream]
+[--no-mixup] [--out DIR] [--keep DIR]`
 Run it under `nice`: each case forks a few short processes, one at a time, from this one (which imports fastai once).
 """
 import argparse, collections, datetime, json, os, platform, random, re, shutil, subprocess, sys, tempfile, time
@@ -31,6 +33,8 @@ def main():
     p.add_argument('--cases', type=int, default=None, help='stop after this many cases')
     p.add_argument('--text', type=float, default=None, help='share of text-classifier scripts (default: the generator draws)')
     p.add_argument('--shapes', default=None, help='comma-separated shapes to draw from (default: all; see random_scripts.SHAPES)')
+    p.add_argument('--families', default=None,
+                   help="comma-separated families to draw from, '' for none (default: the generator draws; see random_scripts.FAMILIES)")
     p.add_argument('--no-mixup', action='store_true', help='no MixUp (its crash on a skipped call hides the rest)')
     p.add_argument('--out', default=str(ROOT/'benchmarks'/'results'))
     p.add_argument('--keep', default=None, help='where the folders of failed cases are kept (default: a temporary folder)')
@@ -62,6 +66,12 @@ def main():
             force = {} if a.text is None else dict(app='text' if rng.random() < a.text else 'digits')
             if a.shapes: force['shape'] = rng.choice(a.shapes.split(','))
             if a.no_mixup: force['mixup'] = False
+            if a.families is not None: force['family'] = rng.choice(a.families.split(','))
+            if a.families and force['family'] == 'stream':  # the digits alone, not exported (see random_scripts._family)
+                force.update(app='digits', shape=force.get('shape') or rng.choice([s for s in rs.SHAPES if s != 'export']))
+            if a.families and force['family'] == 'retry': force['mixup'] = False
+            # a family's first kill in its own windows, turn by turn
+            if (fw := rs.family_windows(rs.make_script(seed, **force)[1])): windows[0] = fw[seed % len(fw)]
             folder = work/f'{seed}'
             r = rs.run_case(forker, seed, folder, windows=windows, timeout=a.timeout, stock=stock, **force)
             r['elapsed'] = time.monotonic() - t0
@@ -89,7 +99,8 @@ def report(cases, a, wall, keep, heads=None):
     head = (f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} · commit {commit}{' (modified)' if dirty else ''}"
             f" · {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {[round(x, 2) for x in os.getloadavg()]}"
             f" · {wall/60:.1f} min, seeds {a.seed}-{a.seed+len(cases)-1}"
-            + (f", shapes {a.shapes}" if a.shapes else '') + (', no MixUp' if a.no_mixup else '') + (f", text share {a.text}" if a.text is not None else ''))
+            + (f", shapes {a.shapes}" if a.shapes else '') + (f", families {a.families!r}" if a.families is not None else '')
+            + (', no MixUp' if a.no_mixup else '') + (f", text share {a.text}" if a.text is not None else ''))
     lines = ["## Soak: randomized scripts killed and rerun (issue 28)", "", *('- ' + h for h in heads or [head]), "",
              f"**{len(cases)} scripts × {n_k} kills: {count['passed']} passed / {count['refused']} refused / {count['failed']} failed** "
              f"(kills in those cases: {kills['passed']} / {kills['refused']} / {kills['failed']}); "
@@ -101,20 +112,33 @@ def report(cases, a, wall, keep, heads=None):
             cc = collections.Counter(c['outcome'] for c in cs)
             lines.append(f"| {k} | {len(cs)} | {cc['passed']} | {cc['refused']} | {cc['failed']} |")
         lines.append('')
-    from random_scripts import SHAPES, WINDOWS, FAMILIES
+    from random_scripts import SHAPES, WINDOWS, FAMILIES, FAMILY_WINDOWS
     table('shape', lambda c: [c['info']['shape']] + ['MixUp'] * c['info']['mixup'], list(SHAPES) + ['MixUp'])
     fam = lambda c: (c['info'].get('family') or 'none').split()  # 'nested get_preds': in 'nested' and 'get_preds'
-    table('family (issue 48: calls inside `after_epoch`, cancels)', lambda c: fam(c)[:1], ['none', *FAMILIES])
-    table('family, by what it does', lambda c: [' '.join(fam(c)[:2])],
-          [f'{f} {h}' for f,hs in (('nested', ('get_preds', 'validate', 'one_batch')), ('cancel', ('epoch', 'valid', 'step')))
-           for h in hs])
+    table('family (issue 48: calls inside `after_epoch`, cancels, retries, streams)', lambda c: fam(c)[:1], ['none', *FAMILIES])
+    hows = (('nested', ('get_preds', 'validate', 'one_batch')), ('cancel', ('epoch', 'valid', 'step')), ('retry', ('loop', 'fallback-ValueError', 'fallback-RuntimeError')),
+            ('stream', ('kept-long', 'kept-short', 'replay-long', 'replay-short')))
+    table('family, by what it does', lambda c: [' '.join(fam(c)[:2]).rstrip(':')], [f'{f} {h}' for f,hs in hows for h in hs])
     table('app', lambda c: [c['info']['app']], ['digits', 'text'])
-    table('kill window (a case counts in each of its windows)', lambda c: [w for w,_ in c['kills']], WINDOWS)
+    table('kill window (a case counts in each of its windows)', lambda c: [w for w,_ in c['kills']],
+          list(WINDOWS) + [w for ws in FAMILY_WINDOWS.values() for w in ws])
+    # the families' own windows, each family's cases by the window of their first kill
+    lines.extend(["| family: first kill's window | cases | passed | refused | failed |", "|---|---|---|---|---|"])
+    for f,ws in FAMILY_WINDOWS.items():
+        for w in ws:
+            for h in dict(hows)[f]:
+                cs = [c for c in cases if ' '.join(fam(c)[:2]).rstrip(':') == f'{f} {h}' and c['kills'][:1] and c['kills'][0][0] == w]
+                cc = collections.Counter(c['outcome'] for c in cs)
+                lines.append(f"| {f} {h}: {w} | {len(cs)} | {cc['passed']} | {cc['refused']} | {cc['failed']} |")
+    lines.append('')
     # the uninterrupted run with AutoResume against the same script as stock fastai (a process that never imports the package)
-    lines.extend(["| shape: uninterrupted, AutoResume vs stock fastai | compared | bitwise equal | differs |", "|---|---|---|---|"])
+    # (`AutoResume(replay=True)`'s streams draw apart from the training's: only their batches and steps are compared)
+    lines.extend(["| shape: uninterrupted, AutoResume vs stock fastai | compared | bitwise equal | differs | same batches (replay) |",
+                  "|---|---|---|---|---|"])
     for k in list(SHAPES) + ['MixUp', 'all']:
         cs = [c for c in cases if c.get('stock') and (k == 'all' or k == c['info']['shape'] or k == 'MixUp' and c['info']['mixup'])]
-        lines.append(f"| {k} | {len(cs)} | {sum(c['stock'] == 'equal' for c in cs)} | {sum(c['stock'] == 'differs' for c in cs)} |")
+        lines.append(f"| {k} | {len(cs)} | {sum(c['stock'] == 'equal' for c in cs)} | {sum(c['stock'] == 'differs' for c in cs)} "
+                     f"| {sum(c['stock'] == 'apart' for c in cs)} |")
     lines.append('')
     failed = [c for c in cases if c['outcome'] == 'failed']
     groups = collections.OrderedDict()
@@ -136,9 +160,10 @@ def report(cases, a, wall, keep, heads=None):
     if refused:
         lines += ["", "### Refusals", "", "| seed | script | message |", "|---|---|---|"]
         lines += [f"| {c['seed']} | {c['desc'].replace('|', '/')} | {c['symptom'].replace('|', '/')} |" for c in refused]
-    lines += ["", "- reproduce one case: `python benchmarks/soak.py --seed SEED --cases 1 --out /tmp/x` (with the same `--text`, `--shapes`, `--no-mixup`); "
-              "a case's first kill window is `WINDOWS[seed % 6]` (first, epoch_end, between, valid, end_write, mid), a second "
-              "one is drawn from the seed half the time", ""]
+    lines += ["", "- reproduce one case: `python benchmarks/soak.py --seed SEED --cases 1 --out /tmp/x` (with the same `--text`, "
+              "`--shapes`, `--families`, `--no-mixup`); a case's first kill window is `WINDOWS[seed % 6]` (first, epoch_end, between, "
+              "valid, end_write, mid), or for a family with windows of its own `FAMILY_WINDOWS[family][seed % n]` (retry: "
+              "before_raise, retry_start, retry; stream: past_len); a second one is drawn from the seed half the time", ""]
     text = '\n'.join(lines)
     print('\n' + text)
     Path(a.out).mkdir(parents=True, exist_ok=True)

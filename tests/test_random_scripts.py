@@ -6,7 +6,7 @@ before training with one message) and once more (trains nothing). See `random_sc
 Six of the cases failed on the code of issue 28's filing: the ULMFiT window (`freeze` between two calls: a skipped call left no
 gradients), two Learners in one folder, `AutoResume` per fit call, a cached stage, `export` + `load_learner`, `MixUp` across a
 skipped call."""
-import random
+import random, re
 import pytest
 from forked import Forker, stock_server
 import random_scripts as rs
@@ -44,6 +44,11 @@ CASES = [
     pytest.param(60, dict(app='digits', shape='one', family='nested'), ['valid', 'mid'], id='digits-nested-valid-mid'),
     pytest.param(61, dict(app='text', shape='one', family='nested'), ['epoch_end'], id='text-nested-epochend'),
     pytest.param(62, dict(app='digits', shape='two_same', family='cancel'), ['mid', 'between'], id='digits-cancel-mid-between'),
+    # a transient error the script retries (killed before the raise, and in the retry before its first resume point: the rerun
+    # meets the error again where the run met it), or falls back from (killed in the call in its place); a stream whose `len()` lies
+    pytest.param(63, dict(app='digits', shape='one', family='retry', mixup=False), ['before_raise', 'retry_start'], id='digits-retry'),
+    pytest.param(65, dict(app='digits', shape='one', family='retry', mixup=False), ['retry'], id='digits-fallback'),
+    pytest.param(66, dict(app='digits', shape='two_same', family='stream'), ['past_len', 'epoch_end'], id='digits-stream-past-len'),
 ]
 
 @pytest.mark.parametrize('seed,force,windows', CASES)
@@ -54,8 +59,15 @@ def test_random_script(forker, stock, tmp_path, seed, force, windows):
     assert [w for w,_ in r['kills']] == windows, f"the kill windows drawn: {r['kills']}"
 
 def make_script_without_family(seed)->str:
-    "Script `seed` with no family, but its docstring: the same as with its family, but the family's callback"
+    "Script `seed` with no family, but its docstring: the same as with its family, but the family's code"
     return rs.make_script(seed, family='')[0].split('\n', 1)[1]
+
+def family_taken_out(seed, text, info)->str:
+    "Script `seed`'s `text` with its family's code taken out, but its docstring"
+    fam = rs._family(seed, None, info['mixup'], info['app'], info['shape'])
+    text = re.sub(r'Flaky\(\d+, ', 'Flaky(LINE, ', text)
+    for code in (fam['cbs'], fam['data'], ''.join(l + '\n' for l in fam['body'])): text = text.replace(code, '', 1)
+    return re.sub(r'(, )?replay=True', '', text).split('\n', 1)[1]
 
 def test_generator_and_windows():
     "The same seed writes the same script, which compiles; every shape and kind appears; each window has its kill points"
@@ -65,7 +77,7 @@ def test_generator_and_windows():
         assert (text,info) == rs.make_script(seed)
         compile(text, f'script{seed}.py', 'exec')
         seen |= {info['shape'], info['app'], info['family'].split(' ')[0]} | {k for k in rs.KINDS if f'.{k}(' in text}
-        assert make_script_without_family(seed) == text.replace(rs._family(seed, None, info['mixup'])[0], '').split('\n', 1)[1], seed
+        assert make_script_without_family(seed) == family_taken_out(seed, text, info), seed
     assert seen >= set(rs.SHAPES) | set(rs.KINDS) | set(rs.FAMILIES) | {'digits', 'text', ''}
     # the events of an uninterrupted run of two calls (3 and 2 batches an epoch, every_iter=2), a validate() between them
     ev = [('FIT', '5.0', '2', '3')] + [e for ep in (0, 1) for e in [('BATCH', '5.0', str(ep), str(i)) for i in range(3)] +
@@ -82,3 +94,16 @@ def test_generator_and_windows():
         ks = rs.choose_kills(ev, random.Random(seed), 2, ['mid', 'mid'])
         idx = [next(k for k,s in rs._candidates(ev, 'mid', 2) if s == spec) for _,spec in ks]
         assert idx == sorted(set(idx))
+    # a call that raises after its batch 1 of epoch 1 (a point at each epoch's end), then its retry; a stream's epoch of 4 batches
+    # where `len()` says 3
+    ev2 = [('FIT', '5.0', '2', '3')] + [('BATCH', '5.0', '0', str(i)) for i in range(3)] + [('VALID', '5.0', '0', '0'),
+          ('BATCH', '5.0', '1', '0'), ('BATCH', '5.0', '1', '1'), ('RAISE', '5.0', '1', '1'), ('FIT', '5.1', '1', '3')] + \
+         [('BATCH', '5.1', '0', str(i)) for i in range(3)] + [('VALID', '5.1', '0', '0'), ('END', '5.1'), ('SAVED', '5.1'),
+          ('FIT', '9.0', '1', '3')] + [('BATCH', '9.0', '0', str(i)) for i in range(4)] + [('END', '9.0'), ('SAVED', '9.0')]
+    specs = lambda w: {s for _,s in rs._candidates(ev2, w, None)}
+    assert specs('before_raise') == {'batch 5.0 0 0', 'batch 5.0 0 1', 'batch 5.0 0 2', 'batch 5.0 1 0', 'batch 5.0 1 1'}
+    assert specs('retry_start') == {'fit 5.1', 'batch 5.1 0 0', 'batch 5.1 0 1', 'batch 5.1 0 2', 'valid 5.1 0 0'}
+    assert specs('retry') == set()  # one epoch: its end is its first resume point
+    assert {s for _,s in rs._candidates(ev2, 'retry', 2)} == {'batch 5.1 0 2', 'valid 5.1 0 0'}
+    assert specs('past_len') == {'batch 5.0 0 2', 'batch 5.0 1 1', 'batch 5.1 0 2', 'batch 9.0 0 2', 'batch 9.0 0 3'}
+    assert specs('epoch_end') == {'batch 5.0 0 2', 'batch 5.0 1 1', 'batch 5.1 0 2', 'batch 9.0 0 3'}
