@@ -141,7 +141,7 @@ class Forker:
 
 class StockForker:
     """`Forker.run` from a process of its own that imported `modules` and never the package: stock fastai's runs (a child that imports
-    the package fails), without paying for `import fastai` each time. One run at a time"""
+    the package fails), without paying for `import fastai` each time. One request at a time: a run, or the ranks of a job (`run_all`)"""
     def __init__(self, modules=('fastai.basics', 'fastai.callback.all'), timeout=120):
         from helpers import test_env
         self.p = subprocess.Popen([sys.executable, __file__, *modules], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -156,19 +156,30 @@ class StockForker:
 
     def run(self, script, *args, timeout, env=None, cwd=None):
         "Run `script` to its end in a child of the stock server (killed after `timeout` seconds); returns `(returncode, output)`"
-        with tempfile.TemporaryDirectory(prefix='stock-run-') as d:  # the child's output, gone once read
-            log = os.path.join(d, 'out')
-            req = dict(script=str(script), args=list(map(str, args)), env=env or {}, cwd=str(cwd) if cwd else None, log=log)
+        return self.run_all([dict(script=script, args=args, env=env, cwd=cwd)], timeout=timeout)[0]
+
+    def run_all(self, runs, timeout)->list:
+        """Run each of `runs` (dicts of `script`, `args`, `env`, `cwd`) in a child of the stock server, all at once (the ranks of one
+        job), to their end (all killed `timeout` seconds after they started); returns `(returncode, output)` of each"""
+        with tempfile.TemporaryDirectory(prefix='stock-run-') as d:  # the children's output, gone once read
+            logs = [os.path.join(d, f'out{i}') for i in range(len(runs))]
+            req = [dict(script=str(r['script']), args=list(map(str, r.get('args', ()))), env=r.get('env') or {},
+                        cwd=str(r['cwd']) if r.get('cwd') else None, log=log) for r,log in zip(runs, logs)]
             self.p.stdin.write(json.dumps(req) + '\n'); self.p.stdin.flush()
-            pid = int(self._line(30))
-            try: rc = int(self._line(timeout))
+            pids = list(map(int, self._line(30).split()))
+            def kill():
+                for pid in pids:
+                    try: os.killpg(pid, signal.SIGKILL)  # with the workers the child left behind
+                    except (ProcessLookupError, PermissionError): pass
+            try: rcs = list(map(int, self._line(timeout).split()))
             except subprocess.TimeoutExpired:
-                os.killpg(pid, signal.SIGKILL)
-                rc = int(self._line(30))
-            finally:
-                try: os.killpg(pid, signal.SIGKILL)  # workers the child left behind
-                except (ProcessLookupError, PermissionError): pass
-            with open(log) as f: return rc, f.read()
+                kill()
+                rcs = list(map(int, self._line(30).split()))
+            finally: kill()
+            outs = []
+            for log in logs:
+                with open(log) as f: outs.append(f.read())
+            return list(zip(rcs, outs))
 
     def close(self):
         try: os.killpg(self.p.pid, signal.SIGKILL)
@@ -182,21 +193,24 @@ def stock_server(modules):
     s.close()
 
 def _serve(modules):
-    "The stock server: import `modules`, then for each request line fork a child that runs it; print its pid, then its return code"
+    """The stock server: import `modules`, then for each request line (a list of runs) fork a child for each run; print their pids, then
+    once every one ended their return codes"""
     import gc, importlib
     for m in modules: importlib.import_module(m)
     gc.freeze()
     out = sys.stdout
     print('READY', file=out, flush=True)
     for line in sys.stdin:
-        req = json.loads(line)
-        w = os.open(req['log'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        pid = os.fork()
-        if pid == 0: _child(req['script'], req['args'], req['env'], req['cwd'], w)
-        os.close(w)
-        print(pid, file=out, flush=True)
-        _,st = os.waitpid(pid, 0)
-        print(-os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st), file=out, flush=True)
+        pids = []
+        for req in json.loads(line):
+            w = os.open(req['log'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            pid = os.fork()
+            if pid == 0: _child(req['script'], req['args'], req['env'], req['cwd'], w)
+            os.close(w)
+            pids.append(pid)
+        print(*pids, file=out, flush=True)
+        sts = [os.waitpid(pid, 0)[1] for pid in pids]
+        print(*[-os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st) for st in sts], file=out, flush=True)
 
 class _NoPackage:
     "In a stock child: importing the package fails"
