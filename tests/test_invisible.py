@@ -1,14 +1,15 @@
 """Invisible until it resumes (issue 37): with the package imported, a workflow that never resumes ends bit for bit as stock fastai's.
 
-Each workflow of `invisible_script.py` (one row of the issue each) runs twice: in a real process that never imports the package
-(`--stock`), and in children forked from the test process, which imported it (see forked.py). The two sides run at the same time.
+Each workflow of `invisible_script.py` (one row of the issue each) runs twice: in a child of a process that never imports the package
+(`--stock`: the stock server's), and in children forked from the test process, which imported it (see forked.py). The two sides run at
+the same time.
 Jobs `X_b` need the files of `X_a` and run in a second process of each side; the `AUTORESUME` jobs (the package side with `AutoResume`)
 run alone on the package side, then twice more, as finished scripts run again: those reruns train nothing and end as stock did.
 """
 import subprocess, time
+from concurrent.futures import ThreadPoolExecutor
 import pytest, torch
-from helpers import PY, TESTS, kill_group, load_result, package_files
-from helpers import test_env as subprocess_env  # not a test
+from helpers import TESTS, load_result, package_files
 
 SCRIPT = str(TESTS/'invisible_script.py')
 ENV = dict(MPLBACKEND='Agg')  # `lr_find` plots
@@ -27,21 +28,11 @@ EXTRAS = ('between', 'opt_after_load', 'suggestion', 'loaded', 'raised')
 RERUN_FIELDS = ('error', 'model', 'between', 'opt', 'values')  # a rerun that trains nothing: the end state of the run, as stock's
 RERUN_WARNS = {'autoresume_strict'}  # reruns that warn as stock's run did (the load with strict=False: issue 49)
 
-def _start_stock(out, jobs):
-    "Stock fastai in a real process of its own session, its output in a file (a pipe nobody reads would stop it)"
-    log = out/f'stock-{jobs[0]}.log'
-    with open(log, 'w') as f:
-        p = subprocess.Popen([PY, SCRIPT, str(out), *jobs, '--stock'], stdout=f, stderr=subprocess.STDOUT, env=subprocess_env(ENV),
-                             start_new_session=True)
-    p.log,p.jobs = log,jobs
-    return p
-
-def _finish_stock(p):
-    "Wait for a process of `_start_stock` at most `TIMEOUT` seconds; return (rc, output)"
-    try: p.wait(TIMEOUT); late = ''
-    except subprocess.TimeoutExpired: late = f'\n[killed after {TIMEOUT}s timeout]'
-    finally: kill_group(p)  # its DataLoader workers and the export's loader too
-    return p.wait(), p.log.read_text() + late
+def _start_stock(pool, server, out, jobs):
+    "Stock fastai's run of `jobs`, a child of the stock `server`, from a thread of `pool` (beside the package side): a future (rc, output)"
+    f = pool.submit(server.run, SCRIPT, out, *jobs, '--stock', timeout=TIMEOUT, env=ENV)  # killed with its children after `TIMEOUT`
+    f.jobs = jobs
+    return f
 
 def _results(out, jobs, rc, log, what):
     "The results of one process: a process that ended badly fails every job of it, with its output"
@@ -54,8 +45,9 @@ def runs(tmp_path_factory, request):
     d = tmp_path_factory.mktemp('invisible')
     (d/'stock').mkdir(); (d/'package').mkdir()
     t0,times = time.time(),{}
-    stock = _start_stock(d/'stock', FIRST + AUTORESUME)
-    forker = request.getfixturevalue('forker')  # imports fastai and the package here while the stock process imports fastai
+    pool,server = ThreadPoolExecutor(1),request.getfixturevalue('stock')  # the stock server's requests, one after the other
+    stock = _start_stock(pool, server, d/'stock', FIRST + AUTORESUME)
+    forker = request.getfixturevalue('forker')
     def package(*jobs):
         p = forker.start(SCRIPT, d/'package', *jobs, env=ENV)
         try: log,_ = p.communicate(timeout=TIMEOUT)
@@ -65,17 +57,18 @@ def runs(tmp_path_factory, request):
     res['package'].update(package(*FIRST))
     pair = d/'package'/'pair'/'models'  # script A's files, which B, C and D leave as they are (issue 49)
     res['pair_files'] = [package_files(pair)]
-    res['stock'].update(_results(d/'stock', stock.jobs, *_finish_stock(stock), 'the stock side'))
+    res['stock'].update(_results(d/'stock', stock.jobs, *stock.result(), 'the stock side'))
     times['first'] = time.time()-t0
-    stock = _start_stock(d/'stock', SECOND)
+    stock = _start_stock(pool, server, d/'stock', SECOND)
     res['package'].update(package(*SECOND))
     res['pair_files'].append(package_files(pair))
     res['pair_a_again'] = package('pair_a')['pair_a']  # A run again after them: it had finished
     res['pair_files'].append(package_files(pair))
     for j in AUTORESUME: res['package'].update(package(j))
     res['reruns'] = [{j: package(j)[j] for j in AUTORESUME} for _ in range(RERUNS)]
-    res['stock'].update(_results(d/'stock', stock.jobs, *_finish_stock(stock), 'the stock side'))
+    res['stock'].update(_results(d/'stock', stock.jobs, *stock.result(), 'the stock side'))
     times['all'] = time.time()-t0
+    pool.shutdown()
     print('process times', times)
     return res
 
