@@ -9,7 +9,7 @@ signal, as Popen reports it).
 
 Fork only from a process that has not trained anything (no OpenMP threads started): the test process only imports.
 """
-import atexit, io, json, os, queue, runpy, signal, subprocess, sys, tempfile, threading, time, traceback, warnings
+import atexit, io, json, os, queue, runpy, shutil, signal, subprocess, sys, tempfile, threading, time, traceback, warnings
 
 class ForkedChild:
     "A forked child running a script; the subset of `subprocess.Popen` the tests use"
@@ -141,7 +141,7 @@ class Forker:
 
 class StockForker:
     """`Forker.run` from a process of its own that imported `modules` and never the package: stock fastai's runs (a child that imports
-    the package fails), without paying for `import fastai` each time. One request at a time: a run, or the ranks of a job (`run_all`)"""
+    the package fails), without paying for `import fastai` each time. One request at a time: a run, or the runs of one job at once"""
     def __init__(self, modules=('fastai.basics', 'fastai.callback.all'), timeout=120):
         from helpers import test_env
         self.p = subprocess.Popen([sys.executable, __file__, *modules], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -154,37 +154,49 @@ class StockForker:
         try: return self.lines.get(timeout=timeout).strip()
         except queue.Empty: raise subprocess.TimeoutExpired('stock server', timeout) from None
 
+    def start(self, *runs)->'StockRuns':
+        """Start each of `runs` (dicts of `script`, `args`, `env`, `cwd`) in a child of the stock server, all at once (the ranks of one
+        job); wait for them with `.result` before the next request. They run beside whatever this process does meanwhile, without a
+        thread of its own waiting on them (with one, a child forked meanwhile by `Forker` once hung in its DataLoader)"""
+        return StockRuns(self, runs)
+
     def run(self, script, *args, timeout, env=None, cwd=None):
         "Run `script` to its end in a child of the stock server (killed after `timeout` seconds); returns `(returncode, output)`"
-        return self.run_all([dict(script=script, args=args, env=env, cwd=cwd)], timeout=timeout)[0]
-
-    def run_all(self, runs, timeout)->list:
-        """Run each of `runs` (dicts of `script`, `args`, `env`, `cwd`) in a child of the stock server, all at once (the ranks of one
-        job), to their end (all killed `timeout` seconds after they started); returns `(returncode, output)` of each"""
-        with tempfile.TemporaryDirectory(prefix='stock-run-') as d:  # the children's output, gone once read
-            logs = [os.path.join(d, f'out{i}') for i in range(len(runs))]
-            req = [dict(script=str(r['script']), args=list(map(str, r.get('args', ()))), env=r.get('env') or {},
-                        cwd=str(r['cwd']) if r.get('cwd') else None, log=log) for r,log in zip(runs, logs)]
-            self.p.stdin.write(json.dumps(req) + '\n'); self.p.stdin.flush()
-            pids = list(map(int, self._line(30).split()))
-            def kill():
-                for pid in pids:
-                    try: os.killpg(pid, signal.SIGKILL)  # with the workers the child left behind
-                    except (ProcessLookupError, PermissionError): pass
-            try: rcs = list(map(int, self._line(timeout).split()))
-            except subprocess.TimeoutExpired:
-                kill()
-                rcs = list(map(int, self._line(30).split()))
-            finally: kill()
-            outs = []
-            for log in logs:
-                with open(log) as f: outs.append(f.read())
-            return list(zip(rcs, outs))
+        return self.start(dict(script=script, args=args, env=env, cwd=cwd)).result(timeout)[0]
 
     def close(self):
         try: os.killpg(self.p.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError): pass
         self.p.wait(10)
+
+class StockRuns:
+    "Runs started in children of a stock server (`StockForker.start`)"
+    def __init__(self, server, runs):
+        self.server,self.dir = server,tempfile.mkdtemp(prefix='stock-run-')  # the children's output, gone once read
+        self.logs = [os.path.join(self.dir, f'out{i}') for i in range(len(runs))]
+        req = [dict(script=str(r['script']), args=list(map(str, r.get('args', ()))), env=r.get('env') or {},
+                    cwd=str(r['cwd']) if r.get('cwd') else None, log=log) for r,log in zip(runs, self.logs)]
+        server.p.stdin.write(json.dumps(req) + '\n'); server.p.stdin.flush()
+        self.pids = list(map(int, server._line(30).split()))
+
+    def _kill(self):
+        for pid in self.pids:
+            try: os.killpg(pid, signal.SIGKILL)  # with the workers the child left behind
+            except (ProcessLookupError, PermissionError): pass
+
+    def result(self, timeout)->list:
+        "Wait for the runs to end (all killed after `timeout` seconds); `(returncode, output)` of each"
+        try:
+            try: rcs = list(map(int, self.server._line(timeout).split()))
+            except subprocess.TimeoutExpired:
+                self._kill()
+                rcs = list(map(int, self.server._line(30).split()))
+            finally: self._kill()
+            outs = []
+            for log in self.logs:
+                with open(log) as f: outs.append(f.read())
+            return list(zip(rcs, outs))
+        finally: shutil.rmtree(self.dir, ignore_errors=True)
 
 def stock_server(modules):
     "A `StockForker` importing `modules` for a pytest fixture: yielded, then closed"

@@ -33,7 +33,8 @@ def stock_ranks(stock, out, *args, n=2, timeout=120)->list:
     "Run `n` ranks of the script as stock fastai (children of a process that never imports the package) to their end; the results of each"
     port = free_port()
     env = lambda r: dict(CPU, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    res = stock.run_all([dict(script=SCRIPT, args=[out, '--timeout', '60', *args, '--stock'], env=env(r)) for r in range(n)], timeout)
+    res = stock.start(*[dict(script=SCRIPT, args=[out, '--timeout', '60', *args, '--stock'], env=env(r)) for r in range(n)])
+    res = res.result(timeout)
     assert all(rc == 0 for rc,_ in res), '\n'.join(f"rank {r}: exit {rc}\n{o[-2000:]}" for r,(rc,o) in enumerate(res))
     return results(out, n)
 

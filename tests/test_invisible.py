@@ -7,7 +7,6 @@ Jobs `X_b` need the files of `X_a` and run in a second process of each side; the
 run alone on the package side, then twice more, as finished scripts run again: those reruns train nothing and end as stock did.
 """
 import subprocess, time
-from concurrent.futures import ThreadPoolExecutor
 import pytest, torch
 from helpers import TESTS, load_result, package_files
 
@@ -28,11 +27,15 @@ EXTRAS = ('between', 'opt_after_load', 'suggestion', 'loaded', 'raised')
 RERUN_FIELDS = ('error', 'model', 'between', 'opt', 'values')  # a rerun that trains nothing: the end state of the run, as stock's
 RERUN_WARNS = {'autoresume_strict'}  # reruns that warn as stock's run did (the load with strict=False: issue 49)
 
-def _start_stock(pool, server, out, jobs):
-    "Stock fastai's run of `jobs`, a child of the stock `server`, from a thread of `pool` (beside the package side): a future (rc, output)"
-    f = pool.submit(server.run, SCRIPT, out, *jobs, '--stock', timeout=TIMEOUT, env=ENV)  # killed with its children after `TIMEOUT`
-    f.jobs = jobs
-    return f
+def _start_stock(server, out, jobs):
+    "Stock fastai's run of `jobs`, a child of the stock `server` (beside the package side); `_finish_stock` it"
+    r = server.start(dict(script=SCRIPT, args=[out, *jobs, '--stock'], env=ENV))
+    r.jobs = jobs
+    return r
+
+def _finish_stock(r):
+    "Wait for a run of `_start_stock` at most `TIMEOUT` seconds (then killed, with its children); return (rc, output)"
+    return r.result(TIMEOUT)[0]
 
 def _results(out, jobs, rc, log, what):
     "The results of one process: a process that ended badly fails every job of it, with its output"
@@ -45,8 +48,8 @@ def runs(tmp_path_factory, request):
     d = tmp_path_factory.mktemp('invisible')
     (d/'stock').mkdir(); (d/'package').mkdir()
     t0,times = time.time(),{}
-    pool,server = ThreadPoolExecutor(1),request.getfixturevalue('stock')  # the stock server's requests, one after the other
-    stock = _start_stock(pool, server, d/'stock', FIRST + AUTORESUME)
+    server = request.getfixturevalue('stock')
+    stock = _start_stock(server, d/'stock', FIRST + AUTORESUME)
     forker = request.getfixturevalue('forker')
     def package(*jobs):
         p = forker.start(SCRIPT, d/'package', *jobs, env=ENV)
@@ -57,18 +60,17 @@ def runs(tmp_path_factory, request):
     res['package'].update(package(*FIRST))
     pair = d/'package'/'pair'/'models'  # script A's files, which B, C and D leave as they are (issue 49)
     res['pair_files'] = [package_files(pair)]
-    res['stock'].update(_results(d/'stock', stock.jobs, *stock.result(), 'the stock side'))
+    res['stock'].update(_results(d/'stock', stock.jobs, *_finish_stock(stock), 'the stock side'))
     times['first'] = time.time()-t0
-    stock = _start_stock(pool, server, d/'stock', SECOND)
+    stock = _start_stock(server, d/'stock', SECOND)
     res['package'].update(package(*SECOND))
     res['pair_files'].append(package_files(pair))
     res['pair_a_again'] = package('pair_a')['pair_a']  # A run again after them: it had finished
     res['pair_files'].append(package_files(pair))
     for j in AUTORESUME: res['package'].update(package(j))
     res['reruns'] = [{j: package(j)[j] for j in AUTORESUME} for _ in range(RERUNS)]
-    res['stock'].update(_results(d/'stock', stock.jobs, *stock.result(), 'the stock side'))
+    res['stock'].update(_results(d/'stock', stock.jobs, *_finish_stock(stock), 'the stock side'))
     times['all'] = time.time()-t0
-    pool.shutdown()
     print('process times', times)
     return res
 
