@@ -9,7 +9,7 @@ signal, as Popen reports it).
 
 Fork only from a process that has not trained anything (no OpenMP threads started): the test process only imports.
 """
-import atexit, io, json, os, queue, runpy, signal, subprocess, sys, tempfile, threading, time, traceback, warnings
+import atexit, io, json, os, queue, runpy, shutil, signal, subprocess, sys, tempfile, threading, time, traceback, warnings
 
 class ForkedChild:
     "A forked child running a script; the subset of `subprocess.Popen` the tests use"
@@ -71,6 +71,14 @@ def _fresh_warnings():
     warnings.filterwarnings('default', category=DeprecationWarning, module='__main__')
     warnings._showwarnmsg_impl,warnings.showwarning = _show_warning,warnings._showwarning_orig
 
+def _without_torch_library_finalizers():
+    """Leave out, at a forked child's exit, the finalizers of torch.library: they take the operators it registered out of this process's
+    own dispatcher, which nothing outside the process sees, and each child paid ~30 ms of CPU for them (copies of the parent's pages they
+    touch). Every other exit function runs, as python runs it (`TemporaryDirectory`'s removal, W&B's, the package's own)"""
+    import weakref
+    for info in list(weakref.finalize._registry.values()):  # `weakref.finalize`'s own table: the objects `atexit` would run
+        if getattr(info.func, '__module__', None) == 'torch.library': info.atexit = False
+
 def _child(script, args, env, cwd, w):
     "Run in the forked child: become a new session, send output to `w`, run `script` as `__main__`, never return"
     code = 1
@@ -98,6 +106,7 @@ def _child(script, args, env, cwd, w):
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)  # as python itself reports an uncaught Ctrl-C: killed by SIGINT
         except BaseException: sys.excepthook(*sys.exc_info())  # as python reports it: the package's hook shows a refusal alone
+        _without_torch_library_finalizers()
         atexit._run_exitfuncs()  # as python does at exit (a forked child leaves by `os._exit`)
     finally:
         try: sys.stdout.flush(); sys.stderr.flush()
@@ -132,7 +141,7 @@ class Forker:
 
 class StockForker:
     """`Forker.run` from a process of its own that imported `modules` and never the package: stock fastai's runs (a child that imports
-    the package fails), without paying for `import fastai` each time. One run at a time"""
+    the package fails), without paying for `import fastai` each time. One request at a time: a run, or the runs of one job at once"""
     def __init__(self, modules=('fastai.basics', 'fastai.callback.all'), timeout=120):
         from helpers import test_env
         self.p = subprocess.Popen([sys.executable, __file__, *modules], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -145,26 +154,49 @@ class StockForker:
         try: return self.lines.get(timeout=timeout).strip()
         except queue.Empty: raise subprocess.TimeoutExpired('stock server', timeout) from None
 
+    def start(self, *runs)->'StockRuns':
+        """Start each of `runs` (dicts of `script`, `args`, `env`, `cwd`) in a child of the stock server, all at once (the ranks of one
+        job); wait for them with `.result` before the next request. They run beside whatever this process does meanwhile, without a
+        thread of its own waiting on them (with one, a child forked meanwhile by `Forker` once hung in its DataLoader)"""
+        return StockRuns(self, runs)
+
     def run(self, script, *args, timeout, env=None, cwd=None):
         "Run `script` to its end in a child of the stock server (killed after `timeout` seconds); returns `(returncode, output)`"
-        with tempfile.TemporaryDirectory(prefix='stock-run-') as d:  # the child's output, gone once read
-            log = os.path.join(d, 'out')
-            req = dict(script=str(script), args=list(map(str, args)), env=env or {}, cwd=str(cwd) if cwd else None, log=log)
-            self.p.stdin.write(json.dumps(req) + '\n'); self.p.stdin.flush()
-            pid = int(self._line(30))
-            try: rc = int(self._line(timeout))
-            except subprocess.TimeoutExpired:
-                os.killpg(pid, signal.SIGKILL)
-                rc = int(self._line(30))
-            finally:
-                try: os.killpg(pid, signal.SIGKILL)  # workers the child left behind
-                except (ProcessLookupError, PermissionError): pass
-            with open(log) as f: return rc, f.read()
+        return self.start(dict(script=script, args=args, env=env, cwd=cwd)).result(timeout)[0]
 
     def close(self):
         try: os.killpg(self.p.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError): pass
         self.p.wait(10)
+
+class StockRuns:
+    "Runs started in children of a stock server (`StockForker.start`)"
+    def __init__(self, server, runs):
+        self.server,self.dir = server,tempfile.mkdtemp(prefix='stock-run-')  # the children's output, gone once read
+        self.logs = [os.path.join(self.dir, f'out{i}') for i in range(len(runs))]
+        req = [dict(script=str(r['script']), args=list(map(str, r.get('args', ()))), env=r.get('env') or {},
+                    cwd=str(r['cwd']) if r.get('cwd') else None, log=log) for r,log in zip(runs, self.logs)]
+        server.p.stdin.write(json.dumps(req) + '\n'); server.p.stdin.flush()
+        self.pids = list(map(int, server._line(30).split()))
+
+    def _kill(self):
+        for pid in self.pids:
+            try: os.killpg(pid, signal.SIGKILL)  # with the workers the child left behind
+            except (ProcessLookupError, PermissionError): pass
+
+    def result(self, timeout)->list:
+        "Wait for the runs to end (all killed after `timeout` seconds); `(returncode, output)` of each"
+        try:
+            try: rcs = list(map(int, self.server._line(timeout).split()))
+            except subprocess.TimeoutExpired:
+                self._kill()
+                rcs = list(map(int, self.server._line(30).split()))
+            finally: self._kill()
+            outs = []
+            for log in self.logs:
+                with open(log) as f: outs.append(f.read())
+            return list(zip(rcs, outs))
+        finally: shutil.rmtree(self.dir, ignore_errors=True)
 
 def stock_server(modules):
     "A `StockForker` importing `modules` for a pytest fixture: yielded, then closed"
@@ -173,21 +205,24 @@ def stock_server(modules):
     s.close()
 
 def _serve(modules):
-    "The stock server: import `modules`, then for each request line fork a child that runs it; print its pid, then its return code"
+    """The stock server: import `modules`, then for each request line (a list of runs) fork a child for each run; print their pids, then
+    once every one ended their return codes"""
     import gc, importlib
     for m in modules: importlib.import_module(m)
     gc.freeze()
     out = sys.stdout
     print('READY', file=out, flush=True)
     for line in sys.stdin:
-        req = json.loads(line)
-        w = os.open(req['log'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        pid = os.fork()
-        if pid == 0: _child(req['script'], req['args'], req['env'], req['cwd'], w)
-        os.close(w)
-        print(pid, file=out, flush=True)
-        _,st = os.waitpid(pid, 0)
-        print(-os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st), file=out, flush=True)
+        pids = []
+        for req in json.loads(line):
+            w = os.open(req['log'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            pid = os.fork()
+            if pid == 0: _child(req['script'], req['args'], req['env'], req['cwd'], w)
+            os.close(w)
+            pids.append(pid)
+        print(*pids, file=out, flush=True)
+        sts = [os.waitpid(pid, 0)[1] for pid in pids]
+        print(*[-os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st) for st in sts], file=out, flush=True)
 
 class _NoPackage:
     "In a stock child: importing the package fails"

@@ -21,10 +21,11 @@ for m in resumable_train/*.py; do
   n=$(basename "$m" .py); case "$n" in __init__|_modidx) continue;; esac
   grep -lq "default_exp $n\b" nbs/*.ipynb || { echo "FAIL: $m has no notebook (#| default_exp $n)"; exit 1; }
 done
-# The process-level tests run beside the notebooks, in one pytest whose test files are spread over 3 worker processes (pytest-xdist; a
+# The process-level tests run beside the notebooks, in one pytest whose test files are spread over 4 worker processes (pytest-xdist; a
 # file's tests stay in one worker, where they share their reference runs): most of those tests wait on processes of their own (kills,
-# timeouts, launchers, a server), so the two cores stay busy. The files go out longest first, so that the workers end together; a file
-# not in `longest` goes after them.
+# timeouts, launchers, a server, the pauses that let a kill land in its window): once the notebooks were done, 3 workers kept about 1.2
+# of the 2 cores busy, so there are 4. The files go out longest first (their times in a whole run), so that the workers end together; a
+# file not in `longest` goes after them.
 # Once the notebooks are done, the lowest fastai that pyproject.toml admits (2.8.8): its training loop is the one the package checks at import, and of the
 # applications' code only fastai.tabular differs from 2.8.12, so the tabular and collab kill-and-rerun tests run again on it
 # (2.8.8's own vision does not run with this torchvision, with or without the package). The README's test command puts it beside the
@@ -49,11 +50,11 @@ lowest() {
   local v=$(PYTHONPATH="$low:$PYTHONPATH" python -c 'import fastai; print(fastai.__version__)')
   PYTHONPATH="$low:$PYTHONPATH" block 2 "the tabular and collab tests again, on fastai $v" tests/test_apps.py -k 'tabular or collab'
 }
-longest=(matrix distributed multinode benchmarks group_signal safety fastai_ddp apps text remote refusals elastic cli random_scripts owned streams exact shapes
-         cells invisible check trackers precision signals)
+longest=(matrix benchmarks random_scripts text apps distributed check fastai_ddp multinode group_signal owned refusals remote signals safety
+         trackers streams cli autoresume invisible elastic exact shapes precision cells docs)
 files=("${longest[@]/#/tests/test_}"); files=("${files[@]/%/.py}")
 for f in tests/test_*.py; do [[ " ${files[*]} " = *" $f "* ]] || files+=("$f"); done
-block 1 "every test file, over 3 processes" -n 3 --dist loadfile --no-loadscope-reorder "${files[@]}" & pytest_pid=$!
+block 1 "every test file, over 4 processes" -n 4 --dist loadfile --no-loadscope-reorder "${files[@]}" & pytest_pid=$!
 # The docs: what nbdev-proc-nbs does (the sidebar, each notebook processed for Quarto, show_doc run on every export), without its step
 # that downloads Quarto and installs it with sudo where it is missing (the suite installs nothing; if nbdev renames that step, this fails
 # with a KeyError instead of installing). Rendering the pages (nbdev-docs) needs Quarto and is not part of the suite. Every notebook is

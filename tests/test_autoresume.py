@@ -3,7 +3,6 @@ import random, re, signal, sys
 from pathlib import Path
 import pytest, torch
 import killrerun as kr
-from forked import StockForker
 from helpers import TESTS, diff_values, package_files, run
 
 SCRIPT = str(TESTS/'autoresume_script.py')
@@ -36,21 +35,19 @@ def same(ref, f):
 def csv_rows(d): return [l.rsplit(',', 1)[0] for l in (Path(d)/'history.csv').read_text().splitlines()]
 
 @pytest.fixture(scope='module')
-def refs(tmp_path_factory):
+def refs(stock, tmp_path_factory):
     "Uninterrupted runs of each schedule, with AutoResume and as stock fastai in a process that never imports the package (the same bits)"
     d = tmp_path_factory.mktemp('ref')
-    res,stock = {},StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
-    try:
-        for sched in ('one_cycle', 'fine_tune', 'two'):
-            res[sched] = d/f'{sched}.pth'
-            lines = run_to_end(d/sched, res[sched], '--sched', sched)
-            res[sched+'_batches'] = len(batches(lines))
-            res[sched+'_csv'] = csv_rows(d/sched)
-            plain = d/f'{sched}-stock'
-            rc,out = stock.run(SCRIPT, '--dir', plain, '--out', f'{plain}.pth', '--sched', sched, '--no-resume', timeout=90)
-            assert rc == 0, f"stock fastai exited {rc}:\n{out[-3000:]}"
-            same(f'{plain}.pth', res[sched])
-    finally: stock.close()
+    res = {}
+    for sched in ('one_cycle', 'fine_tune', 'two'):
+        res[sched] = d/f'{sched}.pth'
+        lines = run_to_end(d/sched, res[sched], '--sched', sched)
+        res[sched+'_batches'] = len(batches(lines))
+        res[sched+'_csv'] = csv_rows(d/sched)
+        plain = d/f'{sched}-stock'
+        rc,out = stock.run(SCRIPT, '--dir', plain, '--out', f'{plain}.pth', '--sched', sched, '--no-resume', timeout=90)
+        assert rc == 0, f"stock fastai exited {rc}:\n{out[-3000:]}"
+        same(f'{plain}.pth', res[sched])
     return res
 
 def test_kills_one_cycle(refs, tmp_path):
@@ -127,7 +124,7 @@ def own_files(lines)->str:
     assert said, ''.join(lines)[-2000:]
     return re.search(r'keeps its own as (\S+)-\*\.pth', said[0]).group(1)
 
-def test_second_script_in_the_folder(tmp_path):
+def test_second_script_in_the_folder(stock, tmp_path):
     """Issue 49: script B (another lr, another schedule) loads script A's file in A's folder, both with AutoResume: B is its own run,
     not A's continued, in files of its own; A's are left byte for byte. Uninterrupted, and killed in its second fit call then rerun, B
     ends as stock fastai's B; run again, it trains nothing; A run again trains nothing and writes nothing"""
@@ -135,9 +132,7 @@ def test_second_script_in_the_folder(tmp_path):
     b = ('--lr', '3e-3', '--sched', 'two', '--load', 'pretrained')
     for f in (d, tmp_path/'ref'): run_to_end(f, a_out, '--save', 'pretrained')  # script A, in both folders
     a_files = package_files(d/'models')
-    stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
-    try: rc,o = stock.run(SCRIPT, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90)
-    finally: stock.close()
+    rc,o = stock.run(SCRIPT, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90)
     assert rc == 0, o[-3000:]
     rc,lines = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, *b, '--sleep', '0.05')
     assert rc == -signal.SIGKILL
@@ -156,14 +151,12 @@ def test_second_script_in_the_folder(tmp_path):
     assert not diff_values(a_ref['model'], torch.load(a_out, weights_only=True)['model'])
     assert package_files(d/'models') == a_files
 
-def test_killed_script_then_another(refs, tmp_path):
+def test_killed_script_then_another(refs, stock, tmp_path):
     """Issue 49: script A killed in its second fit call, then script B (another lr) in the same folder: B trains as stock fastai's B, in
     files of its own, and leaves A's byte for byte; A run again continues exactly, as the uninterrupted A; B run again trains nothing"""
     d,a_out,b_out,ref = tmp_path/'run',tmp_path/'a.pth',tmp_path/'b.pth',tmp_path/'ref.pth'
     b = ('--lr', '3e-3', '--tag', 'b')
-    stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
-    try: rc,o = stock.run(SCRIPT, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90)
-    finally: stock.close()
+    rc,o = stock.run(SCRIPT, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90)
     assert rc == 0, o[-3000:]
     rc,_ = run_until(d, a_out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, '--sched', 'two',
                      '--sleep', '0.05')
@@ -202,17 +195,14 @@ def test_cached_stage_whose_branch_sets_lr(tmp_path, per_call):
     assert any(l.startswith('AutoResume: continuing') for l in lines) and len(batches(lines)) < 12, ''.join(lines)[-2000:]
     same(ref, out)
 
-def test_stage_without_autoresume_loads_as_fastai(tmp_path):
+def test_stage_without_autoresume_loads_as_fastai(stock, tmp_path):
     """The same script run again without `AutoResume` (the package imported) in the folder of a run that had it in the Learner: its
     `learn.load` of the run's cached stage loads as fastai's (weights and optimizer), not the run's random state and lr: stock's bits"""
     import shutil
-    from forked import StockForker
     args = ('--sched', 'stage')
     run_to_end(tmp_path/'a', tmp_path/'a.pth', *args)
     shutil.copytree(tmp_path/'a', tmp_path/'b')
     run_to_end(tmp_path/'a', tmp_path/'mine.pth', *args, '--no-ar')
-    stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
-    try: rc,o = stock.run(SCRIPT, '--dir', tmp_path/'b', '--out', tmp_path/'stock.pth', *args, '--no-resume', timeout=90)
-    finally: stock.close()
+    rc,o = stock.run(SCRIPT, '--dir', tmp_path/'b', '--out', tmp_path/'stock.pth', *args, '--no-resume', timeout=90)
     assert rc == 0, o[-3000:]
     same(tmp_path/'stock.pth', tmp_path/'mine.pth')

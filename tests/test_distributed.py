@@ -61,6 +61,17 @@ def reference(forker, tmp_path_factory):
     res = ranks(forker, out, '--every', '3')
     return out, results(out), [o for _,o in res]
 
+@pytest.fixture(scope='module')
+def uninterrupted(forker, tmp_path_factory):
+    "`uninterrupted(*args)`: the folder of the uninterrupted 2-rank run with `args`, made once, at the first test that asks for it"
+    made = {}
+    def ref(*args):
+        if args not in made:
+            made[args] = tmp_path_factory.mktemp('ref')
+            ranks(forker, made[args], *args)
+        return made[args]
+    return ref
+
 def test_two_ranks(reference):
     out,(r0,r1),(o0,o1) = reference
     assert_same_run([r0], [r1])                      # identical weights and Recorder on both ranks
@@ -177,11 +188,10 @@ def test_cached_stage_kill_relaunch(forker, tmp_path):
     assert_same_run(results(ref), results(run))
 
 @pytest.mark.parametrize('who', [1, 2])
-def test_nested_call_kill_relaunch(forker, tmp_path, who):
+def test_nested_call_kill_relaunch(forker, uninterrupted, tmp_path, who):
     """A callback that calls `get_preds` over a shuffled loader in each `after_epoch`, under DDPTrainer: one rank killed inside that call
     in epoch 2 (rank 0, then rank 1), relaunched: bitwise the uninterrupted run, the call neither ending the fit call nor moving it"""
-    ref,run = tmp_path/'ref',tmp_path/'run'
-    ranks(forker, ref, '--every', '3', '--nested', '3')  # no rank 2: nothing killed
+    ref,run = uninterrupted('--every', '3', '--nested', '3'),tmp_path/'run'  # no rank 2: nothing killed
     assert_same_run(*[[r] for r in results(ref)])
     res = ranks(forker, run, '--every', '3', '--nested', str(who), ok=False)
     assert res[who-1][0] == -signal.SIGKILL and res[2-who][0] != 0, why(res)

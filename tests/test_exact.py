@@ -4,14 +4,14 @@ Three processes run every scenario (`exact_script.py`; importing fastai costs se
 1. with `resumable_train` (a child forked from the test process, see forked.py): the uninterrupted reference runs, and the runs that
    save a resume point with `learn.save` and stop;
 2. with `resumable_train`, another forked child: `learn.load` then the same fit call, for every resume point; then the error cases;
-3. stock fastai (package not imported), at the same time as 2: the reference runs again (bit-identical to 1), and `learn.load`
-   of a file written with `with_iter=True`.
+3. stock fastai (package not imported: a child of the stock server, see forked.py), at the same time as 2: the reference runs again
+   (bit-identical to 1), and `learn.load` of a file written with `with_iter=True`.
 Every comparison is bitwise (`torch.equal` on every tensor), and the optimizer steps of both halves add up to the uninterrupted count.
 """
 import json, os, random, subprocess, time
 from pathlib import Path
 import pytest, torch
-from helpers import TESTS, PY, run, start, finish, check_rc, load_result, compare_results, diff_values
+from helpers import TESTS, run, check_rc, load_result, compare_results, diff_values
 
 SCRIPT = str(TESTS/'exact_script.py')
 N_ITER = 6  # batches per epoch of the default setup: 48 items, bs 8
@@ -54,13 +54,13 @@ SCENARIOS = [(n, tuple(p)) for n,(c,pts) in CONFIGS.items() for p in pts]
 def _sid(n, p): return f"{n}-e{p[0]}i{p[1]}"
 
 @pytest.fixture(scope='module')
-def results(tmp_path_factory, forker):
+def results(tmp_path_factory, forker, stock):
     "Run the three processes once; return the paths of every result"
     d = tmp_path_factory.mktemp('exact')
     def jobs(name, lst):
         f = d/f'{name}.json'; f.write_text(json.dumps(lst)); return str(f)
     out = lambda *k: str(d/('-'.join(map(str, k))+'.pt'))
-    first,second,stock = [],[],[]
+    first,second,stock_jobs = [],[],[]
     for n,(cfg,pts) in CONFIGS.items():
         first.append(dict(mode='ref', name=n, cfg=cfg, dir=str(d/'ref'/n), out=out('ref', n)))
         for p in pts:
@@ -71,19 +71,19 @@ def results(tmp_path_factory, forker):
     second.append(dict(mode='errors', name='errors', cfg=CONFIGS[ERR_CFG][0], ckpt='rp', dir=err_dir, out=out('errors'),
                        setups=SETUPS))
     for n in STOCK_COMPAT + list(STOCK_SAME_AS.values()):
-        stock.append(dict(mode='ref', name=n, cfg=CONFIGS[n][0], dir=str(d/'stock'/n), out=out('stock', n)))
-    stock.append(dict(mode='stockload', name='stockload', cfg=CONFIGS[ERR_CFG][0], ckpt='rp', dir=err_dir, out=out('stockload')))
+        stock_jobs.append(dict(mode='ref', name=n, cfg=CONFIGS[n][0], dir=str(d/'stock'/n), out=out('stock', n)))
+    stock_jobs.append(dict(mode='stockload', name='stockload', cfg=CONFIGS[ERR_CFG][0], ckpt='rp', dir=err_dir, out=out('stockload')))
     times = {}
     t = time.time()
     rc,log = forker.run(SCRIPT, jobs('first', first), timeout=150)
     check_rc((rc, log, ''), 'first process (reference + stop runs)')
     times['first'] = time.time()-t; t = time.time()
     marker = d/'evil_ran'
-    p3 = start([PY, SCRIPT, jobs('stock', stock), '--stock'])  # stock fastai: a real process that never imported the package
+    p3 = stock.start(dict(script=SCRIPT, args=[jobs('stock', stock_jobs), '--stock']))  # beside the second process
     p2 = forker.start(SCRIPT, jobs('second', second), env=dict(EVIL_MARKER=str(marker)))
     try: r2 = (*p2.communicate(timeout=150), )
     except subprocess.TimeoutExpired: r2 = (f'[forked] killed after 150s timeout', '')
-    r3 = finish(p3, 150)
+    r3 = (*p3.result(150)[0], '')
     times['second+stock'] = time.time()-t
     check_rc((p2.returncode, *r2), 'second process (resume runs)'); check_rc(r3, 'stock fastai process')
     print('process times', times)

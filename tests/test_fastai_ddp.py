@@ -1,9 +1,12 @@
 """fastai's own `DistributedTrainer` (`with learn.distrib_ctx(): ...`, over Accelerate) with `AutoResume`, two ranks on CPU (gloo):
 killed on every rank twice, on one rank, Ctrl-C (SIGINT to every rank), SIGTERM to every process (as Slurm sends it), another
 number of processes. The ranks are children forked from the test process as in test_distributed.py; the two launchers, `torchrun`
-and `accelerate launch`, are real. The uninterrupted runs are also compared with stock fastai's (2 real processes without the package). Every launch is bounded and its processes killed on timeout."""
+and `accelerate launch`, are real. The uninterrupted runs are also compared with stock fastai's (2 ranks forked from a process that
+never imports the package). Each uninterrupted run is made once, for every test that compares with it. Every launch is bounded and its
+processes killed on timeout."""
 import os, signal, time
 import pytest
+from forked import stock_server
 from helpers import PY, TESTS, start, finish, diff_values
 from test_distributed import start_ranks, wait_ranks, why, wait_for, every_process, TIMEOUT
 from test_elastic import free_port
@@ -20,14 +23,31 @@ def ranks(forker, out, *args, ok=True, timeout=120):
     if ok: assert all(rc == 0 for rc,_ in res), why(res)
     return res
 
-def stock_ranks(out, *args, n=2, timeout=120)->list:
-    "Run `n` ranks of the script as stock fastai (real processes that never import the package) to their end; the results of each"
+@pytest.fixture(scope='module')
+def stock():
+    "Stock fastai's ranks: children of a process that imported the script's modules and never the package (see forked.py)"
+    yield from stock_server(('fastai.basics', 'fastai.callback.all', 'fastai.distributed', 'fastai.vision.all', 'accelerate',
+                             'sklearn.datasets', 'apps_script', 'helpers'))
+
+def stock_ranks(stock, out, *args, n=2, timeout=120)->list:
+    "Run `n` ranks of the script as stock fastai (children of a process that never imports the package) to their end; the results of each"
     port = free_port()
     env = lambda r: dict(CPU, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
-    ps = [start([PY, SCRIPT, out, '--timeout', '60', *args, '--stock'], env=env(r)) for r in range(n)]
-    res = [finish(p, timeout) for p in ps]
-    assert all(rc == 0 for rc,_,_ in res), '\n'.join(f"rank {r}: exit {rc}\n{err[-2000:]}" for r,(rc,_,err) in enumerate(res))
+    res = stock.start(*[dict(script=SCRIPT, args=[out, '--timeout', '60', *args, '--stock'], env=env(r)) for r in range(n)])
+    res = res.result(timeout)
+    assert all(rc == 0 for rc,_ in res), '\n'.join(f"rank {r}: exit {rc}\n{o[-2000:]}" for r,(rc,o) in enumerate(res))
     return results(out, n)
+
+@pytest.fixture(scope='module')
+def reference(forker, tmp_path_factory):
+    "`reference(*args)`: the folder of the uninterrupted 2-rank run with `args`, made at the first test that asks for it"
+    made = {}
+    def ref(*args):
+        if args not in made:
+            made[args] = tmp_path_factory.mktemp('ref')
+            ranks(forker, made[args], *args)
+        return made[args]
+    return ref
 
 def results(out, n=2): return [torch_load(out/f'rank{r}.pt') for r in range(n)]
 
@@ -42,12 +62,11 @@ def assert_same(ref, got):
         assert not d, d[:5]
 
 @pytest.mark.parametrize('model,fit', [('mlp', 'one_cycle'), ('xresnet', 'fine_tune')])
-def test_kill_every_rank_twice(forker, tmp_path, model, fit):
+def test_kill_every_rank_twice(forker, stock, reference, tmp_path, model, fit):
     "SIGKILL of every rank at one batch, Ctrl-C at another, SIGKILL again, then relaunched: bitwise the uninterrupted 2-rank run; a rerun after the end trains 0"
     a = ('--model', model, '--fit', fit)
-    ref,run = tmp_path/'ref',tmp_path/'run'
-    ranks(forker, ref, *a)
-    assert_same(stock_ranks(tmp_path/'stock', *a), results(ref))   # with AutoResume, uninterrupted: stock fastai's bits
+    ref,run = reference(*a),tmp_path/'run'
+    assert_same(stock_ranks(stock, tmp_path/'stock', *a), results(ref))   # with AutoResume, uninterrupted: stock fastai's bits
     r0,r1 = results(ref)
     assert any('autoresume-' in f for f in r0['writes']) and not [f for f in r1['writes'] if f.startswith(str(ref/'run'))], r1['writes']
     kill = lambda at: ranks(forker, run, *a, '--kill-rank', '-2', '--kill-at', str(at), ok=False)
@@ -93,10 +112,9 @@ def test_kill_one_rank(forker, tmp_path):
     assert rc == 0 and 'AutoResume: continuing from' in o, (o+e)[-3000:]
     assert_same(results(ref), results(run))
 
-def test_two_nodes_without_shared_disk(forker, tmp_path):
+def test_two_nodes_without_shared_disk(forker, reference, tmp_path):
     "Each rank a node with its own folder: every rank killed, then relaunched with rank 0 on the node that holds no resume point: the newest is sent to it, and the run ends bitwise as the uninterrupted one"
-    ref,run = tmp_path/'ref',tmp_path/'run'
-    ranks(forker, ref)
+    ref,run = reference('--model', 'mlp', '--fit', 'one_cycle'),tmp_path/'run'   # the script's defaults
     nodes = dict(CPU, LOCAL_RANK='0')   # two nodes of one process each: both look in their own folder
     res = wait_ranks(start_ranks(forker, run, '--nodes', 'own', '--kill-rank', '-2', '--kill-at', '6', script=SCRIPT, env=nodes))
     assert all(rc == -signal.SIGKILL for rc,_ in res), why(res)
@@ -105,10 +123,9 @@ def test_two_nodes_without_shared_disk(forker, tmp_path):
     assert all(rc == 0 for rc,_ in res) and 'AutoResume: continuing from' in res[0][1], why(res)
     assert_same(results(ref), results(run))
 
-def test_sigterm_every_process_accelerate(forker, tmp_path):
+def test_sigterm_every_process_accelerate(forker, reference, tmp_path):
     "SIGTERM to every process of an `accelerate launch` job, as Slurm sends it: both ranks stop at the same batch with 143; relaunched the same way, bitwise the uninterrupted run"
-    ref,run = tmp_path/'ref',tmp_path/'run'
-    ranks(forker, ref)
+    ref,run = reference('--model', 'mlp', '--fit', 'one_cycle'),tmp_path/'run'   # the script's defaults
     launch = [PY, '-m', 'accelerate.commands.launch', '--multi_gpu', '--num_processes', '2', '--num_machines', '1', '--mixed_precision', 'no',
               '--dynamo_backend', 'no', '--main_process_port', str(free_port()), str(SCRIPT), str(run), '--timeout', str(TIMEOUT)]
     p = start(launch + ['--mark-at', '5', '--sleep', '0.5'], env=CPU)

@@ -4,7 +4,6 @@ uninterrupted run is bitwise stock fastai's (a process that never imports the pa
 import random, signal
 from concurrent.futures import ThreadPoolExecutor
 import pytest
-from forked import StockForker
 from helpers import TESTS
 from killrerun import compare, same_as_stock
 from resumable_train.checkpoints import newest_valid
@@ -23,14 +22,12 @@ def _run(forker, d, out, *args):
 def _trained(text): return sum(l.startswith('BATCH ') for l in text.splitlines())
 
 @pytest.fixture(scope='module')
-def reference(forker, tmp_path_factory):
+def reference(forker, stock, tmp_path_factory):
     "The uninterrupted run, bitwise stock fastai's (`--stock`: in a child of a process that never imports the package)"
     d = tmp_path_factory.mktemp('ref')
     rc,text = _run(forker, d/'run', d/'ref.pt')
     assert rc == 0 and f'TRAINED {N_TRAIN*EPOCHS}' in text, text[-3000:]
-    stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'sklearn.datasets', 'killrerun'))
-    try: rc,text = stock.run(SCRIPT, '--dir', d/'stock', '--out', d/'stock.pt', '--stock', timeout=TIMEOUT)
-    finally: stock.close()
+    rc,text = stock.run(SCRIPT, '--dir', d/'stock', '--out', d/'stock.pt', '--stock', timeout=TIMEOUT)
     assert rc == 0 and f'TRAINED {N_TRAIN*EPOCHS}' in text, f"stock fastai exited {rc}:\n{text[-3000:]}"
     same_as_stock(d/'stock.pt', d/'ref.pt')
     return d/'ref.pt'

@@ -1,14 +1,14 @@
 """Invisible until it resumes (issue 37): with the package imported, a workflow that never resumes ends bit for bit as stock fastai's.
 
-Each workflow of `invisible_script.py` (one row of the issue each) runs twice: in a real process that never imports the package
-(`--stock`), and in children forked from the test process, which imported it (see forked.py). The two sides run at the same time.
+Each workflow of `invisible_script.py` (one row of the issue each) runs twice: in a child of a process that never imports the package
+(`--stock`: the stock server's), and in children forked from the test process, which imported it (see forked.py). The two sides run at
+the same time.
 Jobs `X_b` need the files of `X_a` and run in a second process of each side; the `AUTORESUME` jobs (the package side with `AutoResume`)
 run alone on the package side, then twice more, as finished scripts run again: those reruns train nothing and end as stock did.
 """
 import subprocess, time
 import pytest, torch
-from helpers import PY, TESTS, kill_group, load_result, package_files
-from helpers import test_env as subprocess_env  # not a test
+from helpers import TESTS, load_result, package_files
 
 SCRIPT = str(TESTS/'invisible_script.py')
 ENV = dict(MPLBACKEND='Agg')  # `lr_find` plots
@@ -27,21 +27,15 @@ EXTRAS = ('between', 'opt_after_load', 'suggestion', 'loaded', 'raised')
 RERUN_FIELDS = ('error', 'model', 'between', 'opt', 'values')  # a rerun that trains nothing: the end state of the run, as stock's
 RERUN_WARNS = {'autoresume_strict'}  # reruns that warn as stock's run did (the load with strict=False: issue 49)
 
-def _start_stock(out, jobs):
-    "Stock fastai in a real process of its own session, its output in a file (a pipe nobody reads would stop it)"
-    log = out/f'stock-{jobs[0]}.log'
-    with open(log, 'w') as f:
-        p = subprocess.Popen([PY, SCRIPT, str(out), *jobs, '--stock'], stdout=f, stderr=subprocess.STDOUT, env=subprocess_env(ENV),
-                             start_new_session=True)
-    p.log,p.jobs = log,jobs
-    return p
+def _start_stock(server, out, jobs):
+    "Stock fastai's run of `jobs`, a child of the stock `server` (beside the package side); `_finish_stock` it"
+    r = server.start(dict(script=SCRIPT, args=[out, *jobs, '--stock'], env=ENV))
+    r.jobs = jobs
+    return r
 
-def _finish_stock(p):
-    "Wait for a process of `_start_stock` at most `TIMEOUT` seconds; return (rc, output)"
-    try: p.wait(TIMEOUT); late = ''
-    except subprocess.TimeoutExpired: late = f'\n[killed after {TIMEOUT}s timeout]'
-    finally: kill_group(p)  # its DataLoader workers and the export's loader too
-    return p.wait(), p.log.read_text() + late
+def _finish_stock(r):
+    "Wait for a run of `_start_stock` at most `TIMEOUT` seconds (then killed, with its children); return (rc, output)"
+    return r.result(TIMEOUT)[0]
 
 def _results(out, jobs, rc, log, what):
     "The results of one process: a process that ended badly fails every job of it, with its output"
@@ -54,8 +48,9 @@ def runs(tmp_path_factory, request):
     d = tmp_path_factory.mktemp('invisible')
     (d/'stock').mkdir(); (d/'package').mkdir()
     t0,times = time.time(),{}
-    stock = _start_stock(d/'stock', FIRST + AUTORESUME)
-    forker = request.getfixturevalue('forker')  # imports fastai and the package here while the stock process imports fastai
+    server = request.getfixturevalue('stock')
+    stock = _start_stock(server, d/'stock', FIRST + AUTORESUME)
+    forker = request.getfixturevalue('forker')
     def package(*jobs):
         p = forker.start(SCRIPT, d/'package', *jobs, env=ENV)
         try: log,_ = p.communicate(timeout=TIMEOUT)
@@ -67,7 +62,7 @@ def runs(tmp_path_factory, request):
     res['pair_files'] = [package_files(pair)]
     res['stock'].update(_results(d/'stock', stock.jobs, *_finish_stock(stock), 'the stock side'))
     times['first'] = time.time()-t0
-    stock = _start_stock(d/'stock', SECOND)
+    stock = _start_stock(server, d/'stock', SECOND)
     res['package'].update(package(*SECOND))
     res['pair_files'].append(package_files(pair))
     res['pair_a_again'] = package('pair_a')['pair_a']  # A run again after them: it had finished

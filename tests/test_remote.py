@@ -6,7 +6,6 @@ uninterrupted run is bitwise stock fastai's (the same training, without the pack
 import json, os, random, signal, socket, subprocess, time
 import pytest, torch
 import s3fs  # noqa: F401 (imported once here, not in each forked run; `forker` is conftest's)
-from forked import StockForker
 from resumable_train.files import CheckpointError
 from resumable_train.store import FsspecStore, StoreError, MANIFEST, as_store
 from killrerun import batches, compare, kill_and_rerun, check_kill_and_rerun, run_to_end, run_until, same_as_stock
@@ -68,14 +67,12 @@ def test_unreachable(s3):
 SCRIPT = TESTS/'remote_script.py'
 
 @pytest.fixture(scope='module')
-def ref(forker, s3, tmp_path_factory):
+def ref(forker, stock, s3, tmp_path_factory):
     "The uninterrupted run, bitwise stock fastai's: its result file and the batches it trained"
     d = tmp_path_factory.mktemp('ref')
     lines = run_to_end(forker, SCRIPT, [d/'ref.pth', f's3://{s3.bucket}/ref'], env=s3.env, cwd=d)
     (d/'stock').mkdir()
-    stock = StockForker(modules=('fastai.basics', 'fastai.callback.all', 'fastai.test_utils', 'killrerun'))
-    try: rc,log = stock.run(SCRIPT, d/'stock.pth', '--stock', timeout=90, cwd=d/'stock')
-    finally: stock.close()
+    rc,log = stock.run(SCRIPT, d/'stock.pth', '--stock', timeout=90, cwd=d/'stock')
     assert rc == 0, f"stock fastai exited {rc}:\n{log[-3000:]}"
     same_as_stock(d/'stock.pth', d/'ref.pth')
     return dict(out=d/'ref.pth', batches=batches(lines))

@@ -26,15 +26,25 @@ def stock_run(stock, folder, out, *args):
     assert rc == 0, f"{args}: stock fastai exited {rc}:\n{text[-3000:]}"
 
 @pytest.fixture(scope='module')
-def refs(forker, stock, tmp_path_factory):
+def uninterrupted(forker, tmp_path_factory):
+    "`uninterrupted(*args)`: the batches and the result of the run with `args` and `AutoResume`, made once, at the first test that asks"
+    made = {}
+    def run(*args):
+        if args not in made:
+            d = tmp_path_factory.mktemp('ref')
+            made[args] = batches(run_to_end(forker, SCRIPT, [d/'ref.pth', *args], cwd=d)),d/'ref.pth'
+        return made[args]
+    return run
+
+@pytest.fixture(scope='module')
+def refs(uninterrupted, stock, tmp_path_factory):
     """Each task run uninterrupted, with `AutoResume` and as stock fastai in a process that never imports the package (the same bits):
     its batches and its result"""
-    d,res = tmp_path_factory.mktemp('ref'),{}
+    d,res = tmp_path_factory.mktemp('stock'),{}
     for task in TASKS:
-        lines = run_to_end(forker, SCRIPT, [d/f'{task}.pth', '--task', task], cwd=d/task if (d/task).mkdir() is None else None)
-        stock_run(stock, d/f'{task}-stock', d/f'{task}-plain.pth', '--task', task)
-        same_as_stock(d/f'{task}-plain.pth', d/f'{task}.pth')
-        res[task] = batches(lines),d/f'{task}.pth'
+        res[task] = uninterrupted('--task', task)
+        stock_run(stock, d/task, d/f'{task}.pth', '--task', task)
+        same_as_stock(d/f'{task}.pth', res[task][1])
     return res
 
 def _epoch_end(ref, b): return b == ref[-1] or ref[ref.index(b)+1][:2] != b[:2]
@@ -60,15 +70,13 @@ def test_kill_twice_and_rerun(forker, refs, task, tmp_path):
     else: assert stops[-1][1] >= 1, f"the second kill was not in a later epoch: {stops}"
 
 @pytest.mark.parametrize('task', TASKS + ('ulmfit_docs',))
-def test_kill_between_calls(forker, tmp_path, task):
+def test_kill_between_calls(forker, uninterrupted, tmp_path, task):
     """SIGKILL at the first batch of each later fit call (after the previous call's end is written, before this call's first
     resume point), rerun: the completed calls are skipped (their end state loaded), and the result is bitwise the uninterrupted
     run's (issue 28). `ulmfit_docs` freezes, in fit call 2, layers that fit call 1 trained: their zeroed gradients are state the
     skip must load too."""
     args = ['--task', task] + (['--then'] if task == 'lm' else [])  # the language model's one fit call, and another
-    ref_out = tmp_path/'ref.pth'
-    (tmp_path/'ref').mkdir()
-    ref = batches(run_to_end(forker, SCRIPT, [ref_out, *args], cwd=tmp_path/'ref'))
+    ref,ref_out = uninterrupted(*args)  # `ulmfit`'s and `fine_tune`'s are the runs of `refs`
     for f in sorted({b[0] for b in ref} - {0}):
         out = tmp_path/f'out{f}.pth'
         kill = ref.index((f, 0, 0)) + 1  # every_iter=3: no resume point of call f yet
