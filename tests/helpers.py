@@ -1,6 +1,6 @@
 """Shared utilities for the process-level tests: bounded subprocesses, bitwise comparison of saved results, library warnings filtered, W&B
 offline in a test's folder"""
-import builtins, os, re, signal, subprocess, sys, warnings
+import builtins, functools, os, re, signal, subprocess, sys, warnings
 from pathlib import Path
 import torch
 
@@ -177,3 +177,11 @@ class Sized(torch.utils.data.IterableDataset):
     def state_dict(self): return self.ds.state_dict()
     def load_state_dict(self, sd): self.ds.load_state_dict(sd)
     def set_epoch(self, e): self.ds.set_epoch(e)
+
+def made_once(tmp_path_factory, make):
+    "`ref(*args)`: a new folder in which `make(folder, *args)` ran (a reference run), made once for each `args`, at its first use"
+    @functools.cache
+    def ref(*args):
+        make(d := tmp_path_factory.mktemp('ref'), *args)
+        return d
+    return ref

@@ -5,7 +5,7 @@ workers, is tested on a real `torchrun --standalone`. Every launch is bounded an
 import glob, os, re, signal, subprocess, time
 from pathlib import Path
 import pytest
-from helpers import PY, TESTS, start, finish, load_result, diff_values
+from helpers import PY, TESTS, made_once, start, finish, load_result, diff_values
 from resumable_train.checkpoints import newest_valid
 from resumable_train.files import resume_record
 from test_elastic import free_port
@@ -64,13 +64,7 @@ def reference(forker, tmp_path_factory):
 @pytest.fixture(scope='module')
 def uninterrupted(forker, tmp_path_factory):
     "`uninterrupted(*args)`: the folder of the uninterrupted 2-rank run with `args`, made once, at the first test that asks for it"
-    made = {}
-    def ref(*args):
-        if args not in made:
-            made[args] = tmp_path_factory.mktemp('ref')
-            ranks(forker, made[args], *args)
-        return made[args]
-    return ref
+    return made_once(tmp_path_factory, lambda d, *args: ranks(forker, d, *args))
 
 def test_two_ranks(reference):
     out,(r0,r1),(o0,o1) = reference

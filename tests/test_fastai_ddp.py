@@ -7,7 +7,7 @@ processes killed on timeout."""
 import os, signal, time
 import pytest
 from forked import stock_server
-from helpers import PY, TESTS, start, finish, diff_values
+from helpers import PY, TESTS, made_once, start, finish, diff_values
 from test_distributed import start_ranks, wait_ranks, why, wait_for, every_process, TIMEOUT
 from test_elastic import free_port
 from resumable_train.checkpoints import newest_valid
@@ -40,14 +40,8 @@ def stock_ranks(stock, out, *args, n=2, timeout=120)->list:
 
 @pytest.fixture(scope='module')
 def reference(forker, tmp_path_factory):
-    "`reference(*args)`: the folder of the uninterrupted 2-rank run with `args`, made at the first test that asks for it"
-    made = {}
-    def ref(*args):
-        if args not in made:
-            made[args] = tmp_path_factory.mktemp('ref')
-            ranks(forker, made[args], *args)
-        return made[args]
-    return ref
+    "`reference(*args)`: the folder of the uninterrupted 2-rank run with `args`, made once, at the first test that asks for it"
+    return made_once(tmp_path_factory, lambda d, *args: ranks(forker, d, *args))
 
 def results(out, n=2): return [torch_load(out/f'rank{r}.pt') for r in range(n)]
 

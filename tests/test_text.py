@@ -1,6 +1,6 @@
 """Kill text training at seeded batches and rerun it: a language model (AWD-LSTM hidden state, `LMDataLoader` order), a classifier trained
 with ULMFiT's gradual unfreezing and with `fine_tune` (`SortedDL`): each ends bitwise where the uninterrupted run ends."""
-import random
+import functools, random
 import pytest
 from forked import Forker, StockForker
 from helpers import TESTS
@@ -28,12 +28,10 @@ def stock_run(stock, folder, out, *args):
 @pytest.fixture(scope='module')
 def uninterrupted(forker, tmp_path_factory):
     "`uninterrupted(*args)`: the batches and the result of the run with `args` and `AutoResume`, made once, at the first test that asks"
-    made = {}
+    @functools.cache
     def run(*args):
-        if args not in made:
-            d = tmp_path_factory.mktemp('ref')
-            made[args] = batches(run_to_end(forker, SCRIPT, [d/'ref.pth', *args], cwd=d)),d/'ref.pth'
-        return made[args]
+        d = tmp_path_factory.mktemp('ref')
+        return batches(run_to_end(forker, SCRIPT, [d/'ref.pth', *args], cwd=d)),d/'ref.pth'
     return run
 
 @pytest.fixture(scope='module')
