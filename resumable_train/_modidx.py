@@ -16,6 +16,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                        'resumable_train.check._Run.why': ('check.html#_run.why', 'resumable_train/check.py'),
                                        'resumable_train.check._first': ('check.html#_first', 'resumable_train/check.py'),
                                        'resumable_train.check._newest': ('check.html#_newest', 'resumable_train/check.py'),
+                                       'resumable_train.check._no_times': ('check.html#_no_times', 'resumable_train/check.py'),
                                        'resumable_train.check._short': ('check.html#_short', 'resumable_train/check.py'),
                                        'resumable_train.check._subprocess_run': ('check.html#_subprocess_run', 'resumable_train/check.py'),
                                        'resumable_train.check._tensors': ('check.html#_tensors', 'resumable_train/check.py'),

@@ -76,6 +76,13 @@ _VARY_KEYS = {'mtime_ns'}  # a file's time (`CSVLogger`'s)
 
 def _short(v)->str: s = repr(v); return s if len(s) <= 60 else s[:57] + '...'
 
+def _no_times(text:str)->str:
+    "A CSV log's text without its `time` column (`CSVLogger` writes each epoch's wall time there, a clock's value)"
+    rows = [r.split(',') for r in text.split('\n')]
+    if 'time' not in rows[0]: return text
+    j = rows[0].index('time')
+    return '\n'.join(','.join(c for i,c in enumerate(r) if i != j) for r in rows)
+
 def state_diff(a, b, path:str='')->list:
     ("Where resume points `a` and `b` differ, as `(path, how)`: every tensor by `torch.equal`; times, run ids and file "
      "names left out")
@@ -97,6 +104,7 @@ def state_diff(a, b, path:str='')->list:
             return [(path, f"max difference "
                            f"{(a.double() - b.double()).abs().nan_to_num(float('inf')).max().item():.3g}")]
         return [(path, f"{int((a != b).sum())} of {a.numel()} values differ")]
+    if isinstance(a, str) and isinstance(b, str) and path.rpartition('.')[2] == 'text': a,b = _no_times(a),_no_times(b)
     same = a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)  # NaN is NaN here
     return [] if same and type(a) is type(b) else [(path, f"{_short(a)} against {_short(b)}")]
 
