@@ -4,7 +4,8 @@
 
 # %% ../nbs/03e_autoresume.ipynb #784552e6
 from __future__ import annotations
-import io, signal, time, warnings
+import atexit, io, signal, sys, time, warnings
+from functools import partial
 from types import ModuleType
 import torch
 from torch import nn
@@ -19,14 +20,16 @@ from .files import WriteCancelled
 from .store import *
 from .state import *
 from .state import qualname
-from .point import fit_position, make_point
+from .point import fit_position, make_point, checkpoint
 from .seeds import SeedBatches
 from .hooks import hide_probes, hide_progress, LeanCallback
 from .workers import WorkerStreams, keepable
 from .check import checking
 from .fitcalls import fit_plan, FitCalls, RunState, run_state, start_digest, user_stacklevel, learner_identity, run_name
+from .fitcalls import Raised, error_record, unkept_raises
 from .learner import *
-from .learner import bypassed
+from .learner import bypassed, Replay
+from .hooks import refusal_text
 from .store import RunLog, identity_text
 import torch.distributed as dist
 from .collectives import agree, collective, group_device
@@ -119,6 +122,28 @@ def _check_args(keep, fname):
         raise ValueError(f"AutoResume(fname={fname!r}): fname starts the resume points' file names "
                          f"({name}-0001.pth, ...), so it holds no folder; give the folder as dir: "
                          f"AutoResume(fname={name!r}, dir={str(folder)!r})")
+
+def _keep_raised(points:RunPoints, run:RunState, n:int, ck:dict, digest:str):
+    "Write `ck`, the Learner as an error left fit call `n`, as that call's end in the ledger: the script went on after it"
+    name = points.name()
+    ends = run.ends[:n] + [name]
+    # `starts`: the weights the next call starts from, as at a fit call's end (`AutoResume._save`)
+    resume_record(ck).update(to_plain(dict(fit_index=n, fits=run.fits[:n+1], ends=ends, starts=run.starts[:n+1]+[digest],
+                                           run_id=run.identity)))
+    run.ends = ends
+    points.write_now(ck, name)
+
+def _keep_raised_at_exit():
+    "At a normal exit, write the end of each fit call that raised an error the script caught (not where one killed it)"
+    if getattr(sys, 'last_value', None) is not None or getattr(sys, 'last_exc', None) is not None: return
+    for r in unkept_raises():
+        keep,r.keep = r.keep,None
+        try: keep()
+        except Exception as e:
+            warnings.warn(f"AutoResume: the end of fit call {r.fit+1}, which raised an error, could not be written ({e}); "
+                          "a rerun continues that call from its newest resume point")
+
+atexit.register(_keep_raised_at_exit)
 
 class AutoResume(LeanCallback):
     "Write atomic, durable resume points while training; continue from the newest valid one when the script runs again"
@@ -232,7 +257,7 @@ class AutoResume(LeanCallback):
             done = self.decision[0] == 'skip'
             continue_trackers(self.learn, rec, self.fit_index if file else self.fit_calls.done, done)  # see `trackers`
             if done: hide_progress(self.learn)
-        except BaseException: self._cleanup(); raise
+        except BaseException as e: self._failed(e); raise
 
     def current_run(self)->RunState: return run_state(self.store, self.run_fname)  # the run it keeps in this process
     @property
@@ -257,7 +282,11 @@ class AutoResume(LeanCallback):
             self.resumed_iter,self.resumed_from = None,None  # where this fit call continued
             self.runlog = RunLog(self.store, self.run_fname, on=not rank_distrib())  # the run's story (`runlog`)
             kind,file,rec,state = self.decision
-            if kind == 'skip': self.start.skip(file, rec); self._to('skipping'); return
+            if kind == 'skip':
+                if (err := self.start.skip(file, rec)) is not None:  # an error ended it, and the script went on: again
+                    self.fit_calls.raised,self.fit_calls.unfinished = Raised(self.fit_index),True
+                    raise Replay(err)
+                self._to('skipping'); return
             if kind == 'after': self._say(f"AutoResume: fit call {self.fit_index} finished in an earlier run; its end "
                                           f"state is loaded from {self.store.where(self.ends[-1])}")
             if kind == 'continue': self.resumed_iter,self.resumed_from = self.start.continue_from(file, rec, state)
@@ -276,7 +305,7 @@ class AutoResume(LeanCallback):
             self.stop_signals.install()
             self.worker_signals = WorkerSignals(self.stop_signals.old)  # the signals handled here, not in workers
             self.worker_signals.start(self.dls.loaders, train_loader(self.learn))
-        except BaseException: self._cleanup(); raise
+        except BaseException as e: self._failed(e); raise
 
     def before_train(self):
         if self.state == 'idle': raise bypassed(self.learn, 'fit')
@@ -338,10 +367,30 @@ class AutoResume(LeanCallback):
                   f"{self.stop_note}, run the same command again to continue", own_line=True)
         self._exit()
 
+    def fit_raised(self, e:Exception):
+        "The fit call raised `e`: training, keep the Learner as `e` left it, to write when the script goes on after it"
+        if self.state != 'training': return
+        # under a process group, the other ranks may not have raised: the call that raised gathers nothing, and the next
+        # stands in for it
+        r = self.fit_calls.raised = Raised(self.fit_index, over=not self.group)
+        if not r.over: return
+        learn,rs = self.learn,self.learn.resume
+        raised = dict(error=error_record(e), epoch=rs.epoch, iter=getattr(learn, 'iter', 0), train_iter=learn.train_iter,
+                      training=bool(getattr(learn, 'training', False)))
+        extra = dict(last_epoch=rs.epoch, train_modes=[m.training for m in learn.model.modules()], raised=raised)
+        try: ck = to_plain(checkpoint(learn, extra, end=True), copy=True)  # the Learner's tensors: the script goes on
+        except Exception as err:
+            warnings.warn(f"AutoResume: the Learner as {type(e).__name__} left it cannot be kept ({err}); a fit call "
+                          "after it in this process stands in for the call that raised")
+            r.over = False
+            return
+        r.keep = partial(_keep_raised, self.points, self.run_state, self.fit_index, ck, start_digest(learn))
+
     def left_fit(self, raised:bool=False): # an exception ended it (the same code's next call starts afresh: `FitCalls`)
         "`Learner.fit` ended, whatever the way: put the handlers back and finish the write in flight"
         if self.state == 'idle': return
-        if raised and self.state == 'training': self.fit_calls.raised = True
+        if raised and self.state == 'training' and self.fit_calls.raised is None:
+            self.fit_calls.raised = Raised(self.fit_index, over=False)
         if self.runlog is not None: self.runlog.ended('an exception')
         self._cleanup()
         try: self.writer.wait()
@@ -433,6 +482,11 @@ class AutoResume(LeanCallback):
             return
         self.added = WorkerStreams()
         self.learn.add_cb(self.added)
+
+    def _failed(self, e:BaseException):
+        "Back to 'idle' as the fit call fails; a refusal, the code that catches it gets again (`FitCalls.which`)"
+        if isinstance(e, CheckpointError) and self.run_state is not None: self.fit_calls.refused = refusal_text(e)
+        self._cleanup()
 
     def _cleanup(self):
         "Back to 'idle' from any state: handlers and patches put back, what this fit call added removed"

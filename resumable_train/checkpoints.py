@@ -299,6 +299,7 @@ def record_text(rec)->str:
     s = rec['setup'] if rec['epoch'] is not None else rec['fits'][i]
     pos = (position_text(rec['epoch'], rec['iter'], s['n_epoch'], s['n_iter']) if rec['epoch'] is not None else
            f"end of epoch {rec.get('last_epoch', s['n_epoch']-1)+1}/{s['n_epoch']}")
+    if (r := rec.get('raised')) is not None: pos = f"ended by {r['error']['type']} in epoch {r['epoch']+1}/{s['n_epoch']}"
     return f"fit call {i+1}, {pos}" if len(rec['fits']) > 1 else pos
 
 class RunPoints:
@@ -340,6 +341,13 @@ class RunPoints:
             ck = self.snapshot.take(ck)  # `Pending`
         bg = self.background or stopping is not None
         self.writer(partial(self._write, ck, name, start), then=self.prune, background=bg)
+
+    def write_now(self, ck:dict, name:str):
+        "Write the resume point `ck` as `name` now, in this thread, once the write in flight ended"
+        if ck is None: return
+        self.writer.wait()
+        self._write(ck, name)
+        self.prune()
 
     def _write(self, ck, name, start=None):
         "Write the resume point `ck` as `name`, and start the history log it could not append to"

@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_fitcalls.ipynb #ef3f3fc1
 from __future__ import annotations
-import hashlib, inspect, itertools, json, os, re, sys, warnings
+import dataclasses, hashlib, inspect, itertools, json, os, re, sys, warnings
 import numpy as np, torch
 from functools import partial
 from torch import nn
@@ -251,12 +251,15 @@ class FitCalls:
         self.done,self.index = 0,0  # the calls completed; the number of the running (or last) call
         # a call stopped before its end; a stop after its end; a cell run again
         self.unfinished,self.cut,self.again = False,False,False
-        # the running call raised an exception in this process: the same run of the code calls it afresh, as in fastai
-        self.raised,self.restart = False,False
+        # the running call raised an exception in this process (`Raised`): the same run of the code calls afresh, as in
+        # fastai; the call that raised, over, whose end the next call keeps (`FitStart.decide`)
+        self.raised,self.restart,self.kept = None,False,None
+        self.refused = None  # the refusal of the last fit call, in words: the code that caught it gets it again
 
     # `learn.export`
     def __getstate__(self):
-        return dict(self.__dict__, calls=[], caller=(None, None), cut=False, unfinished=False, raised=False)
+        return dict(self.__dict__, calls=[], caller=(None, None), cut=False, unfinished=False, raised=None, kept=None,
+                    refused=None)
 
     def identify(self, learn, plan:dict)->dict:
         "What tells this fit call from the others: where it is called from, by which run of that code, setup and plan"
@@ -270,12 +273,19 @@ class FitCalls:
 
     def which(self, me:dict, refusal)->int:
         "The number of the fit call `me` (see the rule above); `refusal(msg)` makes the error for none of them"
+        refused,self.refused = self.refused,None
+        if refused and me['retry']:  # the code that caught a refusal goes on: it must not train on the refused run
+            raise CheckpointError(f"{refused}\n(AutoResume refuses this fit call too: it follows that refusal in the "
+                                  "code that caught it. Do what the refusal says, then run the script again)")
         # after an exception caught by the same run of the code (a retry in a loop, another call in `except`), fastai's
-        # next fit starts from the Learner as the exception left it: so does this call, numbered as the one that raised;
+        # next fit starts from the Learner as the exception left it: so does this call, the one after the call that
+        # raised (that one is over: its end is kept, `Raised`; under a process group it stands in for it);
         # a new run of that code (its cell run again) continues the call, as after a stop
-        raised,self.raised = self.raised,False
-        self.restart = raised and self.unfinished and me['run'] == self.calls[self.index]['run']
-        if self.restart: self.unfinished = False
+        raised,self.raised,self.kept = self.raised,None,None
+        self.restart = raised is not None and self.unfinished and me['run'] == self.calls[self.index]['run']
+        if self.restart:
+            self.unfinished = False
+            if raised.over: self.done,self.kept = self.index+1,raised
         self.again = self.unfinished or self.cut
         if not self.again: return self.done
         n = self.index  # the interrupted call
@@ -302,6 +312,33 @@ class FitCalls:
     def finish(self):
         "The running fit call completed"
         self.done,self.unfinished = self.index+1,False
+
+# %% ../nbs/02_fitcalls.ipynb #a76696c0
+@dataclasses.dataclass
+class Raised:
+    "A fit call that raised an error in this process while it trained: over once the code that caught it goes on"
+    fit:int # its number, from 0
+    over:bool=True # the next fit call is numbered after it (else, under a process group, it stands in for it)
+    keep:callable|None=None # writes its end, the Learner as the error left it, when the script goes on; `None`: written
+
+def error_record(e:BaseException)->dict:
+    "What a rerun needs to raise `e` again: its class's module and name, and its arguments as plain values"
+    plain = lambda a: a if isinstance(a, (str, int, float, bool, type(None))) else str(a)
+    return dict(module=type(e).__module__, type=type(e).__qualname__, args=[plain(a) for a in e.args])
+
+def remade_error(err:dict)->BaseException|None:
+    "The error `error_record` describes, made again without its `__init__`; `None` where this process has no such class"
+    cls = sys.modules.get(err['module'])
+    for part in err['type'].split('.'): cls = getattr(cls, part, None)
+    if not (isinstance(cls, type) and issubclass(cls, BaseException)): return None
+    e = cls.__new__(cls)
+    e.args = tuple(err['args'])
+    return e
+
+def unkept_raises()->list:
+    "The fit calls of this process's runs that raised and whose end is not written yet (`Raised.keep`)"
+    return [r for rs in _run_states.values() if (r := rs.calls.raised) is not None and r.keep is not None]
+
 
 # %% ../nbs/02_fitcalls.ipynb #4fbb4164
 def start_digest(learn)->str:

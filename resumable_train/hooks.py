@@ -233,6 +233,13 @@ def _with_events(self:Learner, f, event_type, ex, final=noop):
         if rs.attrs:  # the first epoch of a resumed call: the Learner's attributes as a fit inside an event left them
             for k,v in rs.attrs.items(): setattr(self, k, v)
             rs.attrs = {}
+    if event_type == 'fit':
+        try: return stock(self, f, event_type, ex, final)
+        except Exception as e:  # an error ends the fit call: its callbacks see the Learner as the error left it
+            if rs.fitting and not isinstance(e, _CANCELS):
+                for cb in list(self.cbs):
+                    if callable(getattr(type(cb), 'fit_raised', None)): cb.fit_raised(e)
+            raise
     if event_type not in ('train', 'validate'): return stock(self, f, event_type, ex, final)
     rs.phase = event_type
     try: return stock(self, f, event_type, ex, final)

@@ -143,12 +143,13 @@ def _last_loss(learn):
 def _put_loss(learn, rec):
     if rec.get('loss') is not None: learn.loss = rec['loss'].to(getattr(learn.dls, 'device', None) or 'cpu')
 
-def capture(learn)->ResumePoint|None:
+def capture(learn, end:bool=False, # as the fit call ends, wherever it is (an error ends it: `AutoResume.fit_raised`)
+           )->ResumePoint|None:
     "The state of `learn`'s running `fit` at this batch boundary (or at its end), or `None` outside `fit`"
     rs = learn.resume
     if not rs.fitting: return None
-    pos = fit_position(learn)
-    if pos is None and learn.resume.event not in ('after_fit','after_cancel_fit'): return None
+    pos = None if end else fit_position(learn)
+    if pos is None and not end and learn.resume.event not in ('after_fit','after_cancel_fit'): return None
     epoch,it = pos or (None,0)
     check_resumable(learn.dls.train)
     check_callbacks(learn)
@@ -256,18 +257,19 @@ def restore_rest(learn, rest:dict):
     ranks,r = rest.get('ranks') or [],rank_distrib()  # under a trainer, this rank's own
     set_rng_state(ranks[r] if r < len(ranks) and ranks[r] is not None else rest['rng'])
 
-def _record(learn, extra=None)->dict:
+def _record(learn, extra=None, end=False)->dict:
     "The resume record of `learn` now: the running fit call's point, or between fit calls the stage's rest point"
-    point = capture(learn)
+    point = capture(learn, end)
     if point is not None: return dict(point.to_record(), **to_plain(extra or {}))
     # outside a fit call: a stage that a later run may load instead of training it (`learn.load`)
     rest = dict(rest=rest_point(learn)) if not learn.resume.fitting and learn.opt is not None else {}
     return dict(to_plain(dict(epoch=None, meta=_meta(), **rest)), **to_plain(extra or {}))
 
 def checkpoint(learn, extra:dict|None=None, # more plain values to keep in the record
+               end:bool=False, # in a fit call: the record of its end, wherever it is (`capture`)
               )->dict:
     "Model, optimizer and the resume record, as `learn.save` writes them before the histories go to their log"
-    return _checkpoint(learn, _record(learn, extra))
+    return _checkpoint(learn, _record(learn, extra, end))
 
 def _checkpoint(learn, rec:dict)->dict:
     "The checkpoint of `learn`'s model and optimizer with the record `rec`"

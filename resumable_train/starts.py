@@ -11,7 +11,8 @@ from .files import *
 from .state import callback_keys
 from .collectives import read_on_rank0
 from .point import ResumePoint, restore_end
-from .fitcalls import setup_diff, check_plan, RunState, start_digest, user_stacklevel, learner_identity
+from resumable_train.fitcalls import setup_diff, check_plan, RunState, start_digest, user_stacklevel, learner_identity,\
+    remade_error
 from .learner import load_through, plan_resume
 from .store import point_at
 from .checkpoints import RunPoints, file_name, holder_rank, scan_run, record_text
@@ -84,6 +85,9 @@ class FitStart:
         rs,calls = self.run,self.run.calls
         me = calls.identify(self.learn, plan)
         n = i = calls.which(me, self.refusal)
+        # the call that raised in this process is over, now that the script goes on: its end is kept (a rerun loads it and
+        # raises the error again), and this call comes after it
+        if calls.kept is not None and calls.kept.keep is not None: calls.kept.keep(); calls.kept.keep = None
         # the newest valid resume point of the run, any node's
         file,state,self.src,self.points.next_num = scan_run(self.store, self.fname, self.wait)
         rec = None if file is None else resume_record(state)
@@ -102,8 +106,9 @@ class FitStart:
                                   f"in {self.folder}, so the Learner no longer holds the state that call started from. "
                                   "Run the script again (in a notebook: restart the kernel and run its cells again): "
                                   "the completed fit calls are loaded, not trained again")
-        # no point, or only those of the attempt that raised in this process: the call starts from the Learner as it is
-        if file is None or calls.restart and rec.get('fit_index') == i:
+        # no point, or only those of the attempt that raised in this process (under a process group, where this call
+        # stands in for it, `Raised.over`): the call starts from the Learner as it is
+        if file is None or calls.restart and calls.kept is None and rec.get('fit_index') == i:
             rs.ends = rs.ends[:i]
             return ('start', None, None, None)
         if rec.get('fit_index') is None:
@@ -130,14 +135,16 @@ class FitStart:
         rs.ends = list(rec.get('ends', [])[:i])
         return ('after' if i > n else 'start', file, rec, None)  # 'after': this process did not make call i-1
 
-    def skip(self, file, rec):
-        "This fit call finished: load its end state from the ledger, say so, and train nothing (a fit of no epochs)"
+    def skip(self, file, rec)->BaseException|None:
+        ("This fit call finished: load its end state from the ledger, say so, and train nothing (a fit of no epochs); or "
+         "the error that ended it, to raise again (`raise_again`)")
         i,ends = self.index,rec.get('ends', [])
         name = file_name(file) if rec['fit_index'] == i else ends[i] if i < len(ends) else None
         if name is None: raise self.refusal(f"AutoResume: fit call {i+1} finished in an earlier run, but {file} "
                                             "does not name the file of its end state")
         where = self.store.where(name)
         end_rec = self.load_end(where, i)
+        if (raised := end_rec.get('raised')) is not None: return self.raise_again(where, raised)
         when = 'before the interruption' if self.run.calls.again else 'in an earlier run'
         # the files hold nothing after this call: one message says all
         last = rec['fit_index'] == i and rec['epoch'] is None
@@ -147,6 +154,20 @@ class FitStart:
             f"{self.fname}`"
             if last else ''))
         self.learn.resume.skip()
+
+    def raise_again(self, where, raised:dict)->BaseException:
+        ("The error that ended this fit call in an earlier run, which the script caught and went on, to raise again; the "
+         "Learner is as the error left it (`where`)")
+        i,e = self.index,raised['error']
+        err,name = remade_error(e),f"{e['module']}.{e['type']}"
+        if err is None:
+            raise self.refusal(f"AutoResume: fit call {i+1} was ended by {name} in an earlier run, and the script went on "
+                               f"after it; this process has no class {name} to raise it again (is it defined or "
+                               "imported before that fit call?)")
+        self.learn.epoch,self.learn.iter,self.learn.training = raised['epoch'],raised['iter'],raised['training']
+        self.say(f"AutoResume: fit call {i+1} was ended by {err!r} in an earlier run, and the "
+                 f"script went on; the Learner as the error left it is loaded from {where}, and the error raised again")
+        return err
 
     def end_skip(self):
         "End the finished fit call where it ended, whatever a callback's `after_fit` loaded or drew meanwhile"

@@ -94,6 +94,7 @@ def _child(script, args, env, cwd, w):
         os.environ.update(env or {})
         tempfile.tempdir = None  # the temporary folder the environment names (TMPDIR), as a new process finds it
         if cwd: os.chdir(cwd)
+        for k in ('last_type', 'last_value', 'last_traceback', 'last_exc'): sys.__dict__.pop(k, None)  # a new process has none
         sys.argv = [str(script), *map(str, args)]
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         try:
@@ -105,7 +106,9 @@ def _child(script, args, env, cwd, w):
             sys.stdout.flush(); sys.stderr.flush()
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)  # as python itself reports an uncaught Ctrl-C: killed by SIGINT
-        except BaseException: sys.excepthook(*sys.exc_info())  # as python reports it: the package's hook shows a refusal alone
+        except BaseException:  # as python reports it (the package's hook shows a refusal alone), and keeps it for `atexit`
+            sys.last_type,sys.last_value,sys.last_traceback = sys.exc_info()
+            sys.excepthook(*sys.exc_info())
         _without_torch_library_finalizers()
         atexit._run_exitfuncs()  # as python does at exit (a forked child leaves by `os._exit`)
     finally:

@@ -11,6 +11,7 @@ callback makes inside an event, and `VALID` at each epoch's first validation bat
 - `cancel-valid`: validation on even epochs only (`CancelEpochException` in `after_train`), and a callback that acts on `learn.iter`;
 - `retry`: a transient `RuntimeError` at the 14th batch (once per folder), caught by the script, which calls `fit_one_cycle(4)` again;
 - `fallback`: the same error, and the script falls back to `fit_one_cycle(2, 1e-3)`;
+- `retry-fails`: the error at the 14th batch of every attempt, and the script tries `fit_one_cycle(4)` 3 times, then gives up;
 - `tensorboard`: fastai's `TensorBoardCallback()` and `AutoResume()` with their defaults (the model traced; `log_preds`: `one_batch` and
   `show_results` inside `after_epoch`) on an image `DataBlock` of random 16x16 images, `fit_one_cycle(3)` of 6 batches an epoch;
 - `gan`: fastai's `GANLearner.wgan` (its `GANTrainer` switches generator and critic with `FixedGANSwitcher`) on random 16x16
@@ -30,7 +31,7 @@ from killrerun import Report, Windows, save_result, say
 p = argparse.ArgumentParser()
 p.add_argument('out')
 p.add_argument('--shape', required=True, choices=['one-batch', 'get-preds', 'validate', 'fit-inside', 'after-fit', 'cancel-epoch',
-                                                  'cancel-valid', 'retry', 'fallback', 'gan', 'tensorboard',
+                                                  'cancel-valid', 'retry', 'fallback', 'retry-fails', 'gan', 'tensorboard',
                                                   'gan-adaptive', 'events'])
 p.add_argument('--no-resume', action='store_true', help='stock fastai: the package never imported')
 a = p.parse_args()
@@ -91,11 +92,17 @@ class Flaky(Callback):
             Path('raised').touch()
             raise RuntimeError('transient')
 
+class Failing(Callback):
+    "An error at the 14th batch of every fit call (a bug that no retry gets past)"
+    def after_batch(self):
+        if self.training and self.train_iter == 14: raise RuntimeError('failing')
+
 class NoCallback(Callback): pass
 
 cbs = {'gan': NoCallback, 'gan-adaptive': NoCallback, 'tensorboard': NoCallback, 'events': Everywhere, 'one-batch': Nested, 'get-preds': Nested, 'validate': Nested, 'fit-inside': Nested,
        'after-fit': DrawsAtEnd,
-       'cancel-epoch': CancelAfter5, 'cancel-valid': EvenValidation, 'retry': Flaky, 'fallback': Flaky}[a.shape]
+       'cancel-epoch': CancelAfter5, 'cancel-valid': EvenValidation, 'retry': Flaky, 'fallback': Flaky,
+       'retry-fails': Failing}[a.shape]
 if not a.no_resume: from resumable_train.autoresume import AutoResume
 # `tensorboard`: the default AutoResume() too (a resume point at each epoch's end only, after `log_preds`'s batch)
 ar = [] if a.no_resume else [AutoResume(every_iter=None if a.shape == 'tensorboard' else 3, verbose=False)]
@@ -131,6 +138,10 @@ with learn.no_bar():
             print('RAISED', e, flush=True)
             if a.shape == 'retry': learn.fit_one_cycle(4)
             else: learn.fit_one_cycle(2, 1e-3)
+    elif a.shape == 'retry-fails':
+        for attempt in range(3):
+            try: learn.fit_one_cycle(4); break
+            except RuntimeError as e: print('RAISED', attempt, e, flush=True)
     else:
         learn.fit_one_cycle(4 if a.shape != 'after-fit' else 2)
         if a.shape == 'after-fit': learn.fit(2, 1e-3)

@@ -9,8 +9,8 @@ line called before in this process (`12.0`, `12.1` for `fine_tune`'s two calls o
 caches calls numbers the others as the uninterrupted run did:
 `FIT id n_epoch n_iter`, `BATCH id epoch iter`, `VALID id epoch iter`, `EVAL id` (a `validate`/`get_preds`), `END id` (before
 `AutoResume` writes the end of the call), `SAVED id` (after every callback's `after_fit`: the end state is written), `RAISE id epoch
-iter` (`Flaky`'s transient error). A call on the line of a `Flaky` that raised in an earlier process of the run is numbered after
-the one that raised (the retry of the uninterrupted run).
+iter` (`Flaky`'s transient error). A rerun makes the call that raised as the uninterrupted run made it (`AutoResume` loads the
+Learner as the error left it and raises the error again, or the call meets `Flaky` at the same batch), so each call keeps its number.
 With `RS_KILL` set in its environment the script SIGKILLs itself at one precise event (`kill_spec`), so a kill lands in its window
 every time, with no sleep and no race: a training batch (before `AutoResume` writes at that batch), a validation batch, the start of
 a fit call, just after a call's end state is written, or inside that write (the temporary file half written, or whole but not yet
@@ -35,15 +35,12 @@ from torch.utils.data import IterableDataset
 from fastai.callback.core import Callback, CancelEpochException, CancelStepException, CancelValidException
 
 # ---------------------------------------------------------------- what runs inside a generated script
-_P = dict(pid=None, count={}, steps=0, end=None, spec=None, raised=False)
+_P = dict(pid=None, count={}, steps=0, end=None, spec=None, raised=False, frames={})
 
 def _state():
     "This process's probe state (a forked child starts afresh)"
     if _P['pid'] != os.getpid():
-        _P.update(pid=os.getpid(), count={}, steps=0, end=None, spec=os.environ.get('RS_KILL'), raised=False)
-        # `Flaky` raised in an earlier process of the run: this process's first call on its line is taken for the retry (if it
-        # raises again, it was the call that raised, and the next is the retry: `Flaky` numbers it so)
-        if Path(RAISED).exists(): _P['count'][('F', int(Path(RAISED).read_text().split()[0]))] = 0
+        _P.update(pid=os.getpid(), count={}, steps=0, end=None, spec=os.environ.get('RS_KILL'), raised=False, frames={})
         if _P['spec'] and _P['spec'].startswith('endwrite'): _patch_save()
     return _P
 
@@ -79,13 +76,13 @@ def _site(kind):
     n = c[(kind, line)] = c.get((kind, line), -1) + 1
     return f"{'' if kind == 'F' else 'E'}{line}.{n}"
 
-def _in_fit()->bool:
-    "Is `Learner.fit` running (not `get_preds`, which sends `before_fit` too)?"
-    f = sys._getframe(1)
+def _fit_frames()->list:
+    "The frames of `Learner.fit` running now, innermost first (none in a `get_preds`, which sends `before_fit` too)"
+    f,out = sys._getframe(1),[]
     while f is not None:
-        if f.f_code.co_name == 'fit' and f.f_code.co_filename.endswith(os.path.join('fastai', 'learner.py')): return True
+        if f.f_code.co_name == 'fit' and f.f_code.co_filename.endswith(os.path.join('fastai', 'learner.py')): out.append(f)
         f = f.f_back
-    return False
+    return out
 
 class ProbeLate(Callback):
     "After every other callback's `after_fit` (`AutoResume`'s end-of-call write included)"
@@ -108,11 +105,13 @@ class Probe(Callback):
     def before_fit(self):
         _state()
         self.after_create()
-        if getattr(self.learn, '_rs_fitting', False):  # a call inside an event of the fit call (its `before_fit`)
+        frames,held = _fit_frames(),_state()['frames']  # the outermost `fit` frame of each Learner's running call
+        # a call inside an event of the fit call (its `before_fit`); not after a call that an exception ended (no `after_fit`)
+        if getattr(self.learn, '_rs_fitting', False) and any(f is held.get(id(self.learn)) for f in frames):
             self.learn._rs_depth = getattr(self.learn, '_rs_depth', 0) + 1
             return
-        fitting = _in_fit() and not hasattr(self.learn, 'lr_finder')
-        self.learn._rs_fitting = fitting
+        fitting = bool(frames) and not hasattr(self.learn, 'lr_finder')
+        self.learn._rs_fitting,self.learn._rs_depth,held[id(self.learn)] = fitting,0,(frames[-1] if fitting else None)
         if not fitting: return
         cid = self.learn._rs_call = _site('F')
         _say('FIT', cid, self.n_epoch, len(self.dls.train))
@@ -175,7 +174,6 @@ class Flaky(Callback):
         f,digest = Path(RAISED),_digest(self.learn.model)
         if f.exists():
             if f.read_text().split()[1] != digest: return  # the retry, at the same batch
-            _P['count'][('F', self.line)] -= 1  # the call that raised, taken for the retry: the next call is the retry
         else: f.write_text(f'{self.line} {digest}')
         _P['raised'],self.learn._rs_fitting = True,False  # the call ends here: fastai sends no `after_fit`
         _say('RAISE', cid, self.epoch, self.iter)
@@ -598,14 +596,9 @@ def run_case(forker, seed, folder, windows=None, timeout=120, stock=None, kills=
             rc,lines = run('rerun', run_dir, out)
             if rc != 0: _ended(rc, lines, f'the rerun after {len(kills)} kill(s)')
             trained.append(batches(lines))
-        # the call that raised and its retry or fallback, as one (a rerun numbers the call it continues as the retry until it raises
-        # again; it continues a fallback's resume point in the call that raised, as the fit call of that number)
-        flaky = {f[1].split('.')[0] for k,e in enumerate(events) if e[0] == 'RAISE' for f in [e, next(
-            (f for f in events[k+1:] if f[0] == 'FIT'), e)]}
-        norm = lambda bs: [('retry' if c.split('.')[0] in flaky else c, *rest) for c,*rest in bs]
-        last = norm(trained[-1])
-        d = _diffs(ref, out)
-        tail = norm(ref_b)[len(ref_b)-len(last):] if last else []
+        # every call numbered as the uninterrupted run numbered it: the call that raised too (raised again, or met again)
+        last,d = trained[-1],_diffs(ref, out)
+        tail = ref_b[len(ref_b)-len(last):] if last else []
         if d: raise Outcome('failed', f'exit 0 with other weights ({len(d)} differences; first: {d[0]})')
         if last != tail:
             raise Outcome('failed', f'the rerun to the end trained {len(last)} batches that are not the rest of the uninterrupted run')
