@@ -104,6 +104,9 @@ def test_every_attempt_fails(forker, stock, tmp_path):
     rc,lines = killed(forker, tmp_path, 'retry-fails', stop_after=2*14+5)
     assert rc == -signal.SIGKILL, ''.join(lines[-30:])
     assert ''.join(finish(forker, tmp_path, 'retry-fails', ref)).count('RAISED') == 3
+    from resumable_train.cli import checkpoint_info, _where  # `ls` tells the three ends from a finished run's
+    ends = [_where(checkpoint_info(f)) for f in sorted((tmp_path/'run'/'models').glob('autoresume-*.pth'))]
+    assert sum('fit call ended by RuntimeError in epoch 2/4' in e for e in ends) == 3, ends
 
 def test_all_points_damaged(forker, tmp_path):
     """Every resume point of a killed run damaged: a refusal before training that names each file and its damage and how to start
