@@ -375,9 +375,12 @@ class AutoResume(LeanCallback):
         r = self.fit_calls.raised = Raised(self.fit_index, over=not self.group)
         if not r.over: return
         learn,rs = self.learn,self.learn.resume
-        raised = dict(error=error_record(e), epoch=rs.epoch, iter=getattr(learn, 'iter', 0), train_iter=learn.train_iter,
+        # the Learner's attributes as the error left them (before the first epoch too: a callback's `before_fit`)
+        epoch = getattr(learn, 'epoch', 0)
+        raised = dict(error=error_record(e), epoch=epoch, iter=getattr(learn, 'iter', 0), train_iter=learn.train_iter,
                       training=bool(getattr(learn, 'training', False)))
-        extra = dict(last_epoch=rs.epoch, train_modes=[m.training for m in learn.model.modules()], raised=raised)
+        last = rs.epoch if rs.epoch is not None else epoch  # the epoch of the fit call's own loop
+        extra = dict(last_epoch=last, train_modes=[m.training for m in learn.model.modules()], raised=raised)
         try: ck = to_plain(checkpoint(learn, extra, end=True), copy=True)  # the Learner's tensors: the script goes on
         except Exception as err:
             warnings.warn(f"AutoResume: the Learner as {type(e).__name__} left it cannot be kept ({err}); a fit call "
