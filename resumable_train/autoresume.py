@@ -28,7 +28,7 @@ from .check import checking
 from .fitcalls import fit_plan, FitCalls, RunState, run_state, start_digest, user_stacklevel, learner_identity, run_name
 from .fitcalls import Raised, error_record, unkept_raises
 from .learner import *
-from .learner import bypassed, Replay
+from .learner import bypassed, _Replay
 from .hooks import refusal_text
 from .store import RunLog, identity_text
 import torch.distributed as dist
@@ -285,7 +285,7 @@ class AutoResume(LeanCallback):
             if kind == 'skip':
                 if (err := self.start.skip(file, rec)) is not None:  # an error ended it, and the script went on: again
                     self.fit_calls.raised,self.fit_calls.unfinished = Raised(self.fit_index),True
-                    raise Replay(err)
+                    raise _Replay(err)
                 self._to('skipping'); return
             if kind == 'after': self._say(f"AutoResume: fit call {self.fit_index} finished in an earlier run; its end "
                                           f"state is loaded from {self.store.where(self.ends[-1])}")

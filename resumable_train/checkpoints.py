@@ -344,7 +344,6 @@ class RunPoints:
 
     def write_now(self, ck:dict, name:str):
         "Write the resume point `ck` as `name` now, in this thread, once the write in flight ended"
-        if ck is None: return
         self.writer.wait()
         self._write(ck, name)
         self.prune()

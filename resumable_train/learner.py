@@ -22,7 +22,7 @@ from .skip import SkipToIter
 from .fitcalls import run_setup, learner_identity, run_at
 
 # %% auto #0
-__all__ = ['Replay']
+__all__ = []
 
 # %% ../nbs/02f_learner.ipynb #a2e9e858
 short_refusals()  # a refusal or a stop that ends a script shows its message, not a traceback (see `hooks`)
@@ -220,7 +220,7 @@ Learner.load._fastai = _stock_load
 # %% ../nbs/02f_learner.ipynb #104acf89
 _stock_fit = fastai_code('Learner.fit')  # fastai's own, also once the package has patched it
 
-class Replay(BaseException):
+class _Replay(BaseException):
     ("The error that ended a fit call in an earlier process of the run, which the script caught and went on: `AutoResume` "
      "raises it again, past every callback (fastai's `Callback` rewords an `Exception`), and `fit` raises `error`")
     def __init__(self, error:BaseException): self.error = error
@@ -250,7 +250,7 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
     try:
         with fit_call(self, _stock_fit, (n_epoch,), {k: v for k,v in dict(lr=lr, wd=wd).items() if v is not None}):
             _stock_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=stock_start)
-    except Replay as r: raised,replay = True,r.error
+    except _Replay as r: raised,replay = True,r.error
     except Exception: raised = True; raise
     finally:
         self.resume.end()

@@ -11,8 +11,8 @@ from .files import *
 from .state import callback_keys
 from .collectives import read_on_rank0
 from .point import ResumePoint, restore_end
-from resumable_train.fitcalls import setup_diff, check_plan, RunState, start_digest, user_stacklevel, learner_identity,\
-    remade_error
+from .fitcalls import setup_diff, check_plan, RunState, start_digest, user_stacklevel, learner_identity
+from .fitcalls import remade_error
 from .learner import load_through, plan_resume
 from .store import point_at
 from .checkpoints import RunPoints, file_name, holder_rank, scan_run, record_text
