@@ -4,8 +4,7 @@
 
 # %% ../nbs/03e_autoresume.ipynb #784552e6
 from __future__ import annotations
-import atexit, io, signal, sys, time, warnings
-from functools import partial
+import io, signal, time, warnings
 from types import ModuleType
 import torch
 from torch import nn
@@ -20,16 +19,15 @@ from .files import WriteCancelled
 from .store import *
 from .state import *
 from .state import qualname
-from .point import fit_position, make_point, checkpoint
+from .point import fit_position, make_point
 from .seeds import SeedBatches
 from .hooks import hide_probes, hide_progress, LeanCallback
 from .workers import WorkerStreams, keepable
 from .check import checking
-from .fitcalls import fit_plan, FitCalls, RunState, run_state, start_digest, user_stacklevel, learner_identity, run_name
-from .fitcalls import Raised, error_record, unkept_raises
+from .fitcalls import fit_plan, RunState, run_state, start_digest, user_stacklevel, run_identity, run_name
+from .fitcalls import left_unfinished
 from .learner import *
-from .learner import bypassed, _Replay
-from .hooks import refusal_text
+from .learner import bypassed
 from .store import RunLog, identity_text
 import torch.distributed as dist
 from .collectives import agree, collective, group_device
@@ -56,7 +54,7 @@ def _set_learn(self, learn):
     if old is not None and old is not learn: old.remove_cb(look); hide_probes(old, False)
     if learn is not None and look not in learn.cbs: learn.add_cb(look)
     # the run's identity, where `after_create` did not take it (a Learner made before the package was imported)
-    if learn is not None: learner_identity(learn)
+    if learn is not None: run_identity()
     # under `resumable-train check`, what the Learner writes before its first fit call too (`learn.export` as it is made)
     if learn is not None and (c := checking()) is not None: c.confine(learn)
 
@@ -123,28 +121,6 @@ def _check_args(keep, fname):
                          f"({name}-0001.pth, ...), so it holds no folder; give the folder as dir: "
                          f"AutoResume(fname={name!r}, dir={str(folder)!r})")
 
-def _keep_raised(points:RunPoints, run:RunState, n:int, ck:dict, digest:str):
-    "Write `ck`, the Learner as an error left fit call `n`, as that call's end in the ledger: the script went on after it"
-    name = points.name()
-    ends = run.ends[:n] + [name]
-    # `starts`: the weights the next call starts from, as at a fit call's end (`AutoResume._save`)
-    resume_record(ck).update(to_plain(dict(fit_index=n, fits=run.fits[:n+1], ends=ends, starts=run.starts[:n+1]+[digest],
-                                           run_id=run.identity)))
-    run.ends = ends
-    points.write_now(ck, name)
-
-def _keep_raised_at_exit():
-    "At a normal exit, write the end of each fit call that raised an error the script caught (not where one killed it)"
-    if getattr(sys, 'last_value', None) is not None or getattr(sys, 'last_exc', None) is not None: return
-    for r in unkept_raises():
-        keep,r.keep = r.keep,None
-        try: keep()
-        except Exception as e:
-            warnings.warn(f"AutoResume: the end of fit call {r.fit+1}, which raised an error, could not be written ({e}); "
-                          "a rerun continues that call from its newest resume point")
-
-atexit.register(_keep_raised_at_exit)
-
 class AutoResume(LeanCallback):
     "Write atomic, durable resume points while training; continue from the newest valid one when the script runs again"
     order = 95  # after every callback whose state it saves: `Recorder` (50), schedulers (60), trackers (61-63)
@@ -196,9 +172,7 @@ class AutoResume(LeanCallback):
     learn = property(lambda self: self.__dict__.get('_learn'), _set_learn)
 
     @property
-    def fit_calls(self)->FitCalls: return self.run_state.calls if self.run_state else FitCalls()
-    @property
-    def fit_index(self)->int: return self.fit_calls.index  # the number of the running (or last) fit call, from 0
+    def fit_index(self)->int: return self.run_state.index if self.run_state else 0  # the running (or last) fit call
     @property
     def fits(self)->list: return self.run_state.fits if self.run_state else []  # the setup of each fit call
     @property
@@ -244,7 +218,7 @@ class AutoResume(LeanCallback):
             if self.every_iter or self.every_secs: loader_kind(self.dls.train)
             other = self._run_name(share=self.group)[1]
             self.run_state = self.learn.resume.run = self.current_run()  # a stage saved after this call belongs to it
-            if other is not None and not self.run_state.calls.calls: self._say_own(other)
+            if other is not None and not self.run_state.fits: self._say_own(other)
             # before a resume point's optimizer state replaces the hyperparameters it was given
             plan = fit_plan(self.learn)
             self.start = FitStart(self.learn, self.store, self.run_state, self.points, self.run_fname, self.wait,
@@ -255,9 +229,9 @@ class AutoResume(LeanCallback):
             if self.decision[0] == 'after':
                 self.start.load_end(self.store.where(self.ends[-1]), self.fit_index-1, after=True)
             done = self.decision[0] == 'skip'
-            continue_trackers(self.learn, rec, self.fit_index if file else self.fit_calls.done, done)  # see `trackers`
+            continue_trackers(self.learn, rec, self.fit_index, done)  # see `trackers`
             if done: hide_progress(self.learn)
-        except BaseException as e: self._failed(e); raise
+        except BaseException: self._cleanup(); raise
 
     def current_run(self)->RunState: return run_state(self.store, self.run_fname)  # the run it keeps in this process
     @property
@@ -265,13 +239,13 @@ class AutoResume(LeanCallback):
 
     def _run_name(self, share:bool=False)->tuple:
         "The name of the run's files and the identity of the other run whose files are `fname`'s (`fitcalls.run_name`)"
-        return run_name(self.store, self.fname, learner_identity(self.learn), share=_from_rank0 if share else None)
+        return run_name(self.store, self.fname, run_identity(), share=_from_rank0 if share else None)
 
     def _say_own(self, other:dict):
         "Say, as the process's first fit call of the run starts, that `fname`'s files are another run's"
         d = getattr(self.store, 'folder', self.store.url)
         self._say(f"AutoResume: the files {self.fname}-*.pth in {d} are another run's ({identity_text(other)}); this "
-                  f"run ({identity_text(learner_identity(self.learn))}) keeps its own as {self.run_fname}-*.pth and "
+                  f"run ({identity_text(run_identity())}) keeps its own as {self.run_fname}-*.pth and "
                   f"leaves those alone: `resumable-train ls {d}` lists both")
 
     # ---- the events
@@ -282,11 +256,7 @@ class AutoResume(LeanCallback):
             self.resumed_iter,self.resumed_from = None,None  # where this fit call continued
             self.runlog = RunLog(self.store, self.run_fname, on=not rank_distrib())  # the run's story (`runlog`)
             kind,file,rec,state = self.decision
-            if kind == 'skip':
-                if (err := self.start.skip(file, rec)) is not None:  # an error ended it, and the script went on: again
-                    self.fit_calls.raised,self.fit_calls.unfinished = Raised(self.fit_index),True
-                    raise _Replay(err)
-                self._to('skipping'); return
+            if kind == 'skip': self.start.skip(file, rec); self._to('skipping'); return
             if kind == 'after': self._say(f"AutoResume: fit call {self.fit_index} finished in an earlier run; its end "
                                           f"state is loaded from {self.store.where(self.ends[-1])}")
             if kind == 'continue': self.resumed_iter,self.resumed_from = self.start.continue_from(file, rec, state)
@@ -295,9 +265,7 @@ class AutoResume(LeanCallback):
             self.last_save = time.monotonic()
             if (c := checking()) is not None:
                 c.begin(self.fit_index, self.n_epoch, len(self.dls.train), self.run_fname, self.resumed_iter)
-            self.fit_calls.unfinished = True
-            # a new run's story: not a call that starts again after an exception in this process
-            fresh = kind == 'start' and self.fit_index == 0 and file is None and not self.fit_calls.restart
+            fresh = kind == 'start' and self.fit_index == 0 and file is None  # a new run's story
             self.runlog.begin(self.fit_index, (self.n_epoch, self.fits[-1].get('n_iter')), self.resumed_from,
                               fresh=fresh, run=self.run_state.identity)
             mine = (self, self._look_cb)
@@ -305,7 +273,7 @@ class AutoResume(LeanCallback):
             self.stop_signals.install()
             self.worker_signals = WorkerSignals(self.stop_signals.old)  # the signals handled here, not in workers
             self.worker_signals.start(self.dls.loaders, train_loader(self.learn))
-        except BaseException as e: self._failed(e); raise
+        except BaseException: self._cleanup(); raise
 
     def before_train(self):
         if self.state == 'idle': raise bypassed(self.learn, 'fit')
@@ -346,6 +314,7 @@ class AutoResume(LeanCallback):
     def after_cancel_fit(self):
         "A stop by a signal ends the process here, before other callbacks' `after_fit` (which may fail on a cut run)"
         if self.state != 'stopping': return
+        left_unfinished(self.run_state, self.points.newest)  # in a notebook, the next fit call is a new one
         self._cleanup()
         self._exit()
 
@@ -356,49 +325,28 @@ class AutoResume(LeanCallback):
             if skipped: self.start.end_skip()
             else: self._save(end=True)
             self.writer.wait()
-            self.fit_calls.finish()
+            self.run_state.done = self.fit_index+1
             self.runlog.finished(self.fit_index, self.train_iter)
             if stop := agree(self.stop_signals.signum): self._to('stopping')  # a signal during the end's write
         finally: self._cleanup()
         if not stop: return
-        self.stop_signals.signum,self.fit_calls.cut = stop,True  # the next safe point is the end, saved
+        self.stop_signals.signum = stop  # the next safe point is the end, saved
         self.stop_note = "the end state of this fit call is saved"
         self._say(f"AutoResume: stopped by {signal.Signals(stop).name} at the end of fit call {self.fit_index+1}; "
                   f"{self.stop_note}, run the same command again to continue", own_line=True)
         self._exit()
 
-    def fit_raised(self, e:Exception):
-        "The fit call raised `e`: training, keep the Learner as `e` left it, to write when the script goes on after it"
-        if self.state != 'training': return
-        # under a process group, the other ranks may not have raised: the call that raised gathers nothing, and the next
-        # stands in for it
-        r = self.fit_calls.raised = Raised(self.fit_index, over=not self.group)
-        if not r.over: return
-        learn,rs = self.learn,self.learn.resume
-        # the Learner's attributes as the error left them (before the first epoch too: a callback's `before_fit`)
-        epoch = getattr(learn, 'epoch', 0)
-        raised = dict(error=error_record(e), epoch=epoch, iter=getattr(learn, 'iter', 0), train_iter=learn.train_iter,
-                      training=bool(getattr(learn, 'training', False)))
-        last = rs.epoch if rs.epoch is not None else epoch  # the epoch of the fit call's own loop
-        extra = dict(last_epoch=last, train_modes=[m.training for m in learn.model.modules()], raised=raised)
-        try: ck = to_plain(checkpoint(learn, extra, end=True), copy=True)  # the Learner's tensors: the script goes on
-        except Exception as err:
-            warnings.warn(f"AutoResume: the Learner as {type(e).__name__} left it cannot be kept ({err}); a fit call "
-                          "after it in this process stands in for the call that raised")
-            r.over = False
-            return
-        r.keep = partial(_keep_raised, self.points, self.run_state, self.fit_index, ck, start_digest(learn))
-
-    def left_fit(self, raised:bool=False): # an exception ended it (the same code's next call starts afresh: `FitCalls`)
-        "`Learner.fit` ended, whatever the way: put the handlers back and finish the write in flight"
+    def left_fit(self, raised:bool=False): # an exception ended it
+        ("`Learner.fit` ended, whatever the way: put the handlers back and finish the write in flight; a call that "
+         "trained is over in this process, in progress in the journal: an error is a kill")
         if self.state == 'idle': return
-        if raised and self.state == 'training' and self.fit_calls.raised is None:
-            self.fit_calls.raised = Raised(self.fit_index, over=False)
+        trained,points = self.state == 'training',self.points
         if self.runlog is not None: self.runlog.ended('an exception')
         self._cleanup()
         try: self.writer.wait()
         except (WriteCancelled, KeyboardInterrupt): self._abandon()  # interrupted while it waits: abandoned
         except Exception as e: warnings.warn(f"AutoResume: the resume point being written failed ({e}); {self._kept()}")
+        if trained: left_unfinished(self.run_state, points.newest)
 
     # ---- writing
     def _save(self, end:bool=False, # the end of the fit call, which the ledger keeps
@@ -485,11 +433,6 @@ class AutoResume(LeanCallback):
             return
         self.added = WorkerStreams()
         self.learn.add_cb(self.added)
-
-    def _failed(self, e:BaseException):
-        "Back to 'idle' as the fit call fails; a refusal, the code that catches it gets again (`FitCalls.which`)"
-        if isinstance(e, CheckpointError) and self.run_state is not None: self.fit_calls.refused = refusal_text(e)
-        self._cleanup()
 
     def _cleanup(self):
         "Back to 'idle' from any state: handlers and patches put back, what this fit call added removed"

@@ -299,7 +299,6 @@ def record_text(rec)->str:
     s = rec['setup'] if rec['epoch'] is not None else rec['fits'][i]
     pos = (position_text(rec['epoch'], rec['iter'], s['n_epoch'], s['n_iter']) if rec['epoch'] is not None else
            f"end of epoch {rec.get('last_epoch', s['n_epoch']-1)+1}/{s['n_epoch']}")
-    if (r := rec.get('raised')) is not None: pos = f"ended by {r['error']['type']} in epoch {r['epoch']+1}/{s['n_epoch']}"
     return f"fit call {i+1}, {pos}" if len(rec['fits']) > 1 else pos
 
 class RunPoints:
@@ -313,6 +312,7 @@ class RunPoints:
                 ):
         store_attr()
         self.next_num,self.last,self.snapshot = 1,None,None  # the next number; the newest complete point: (file, where)
+        self.newest = None  # the name of this fit call's newest complete point: written, or the one it continued from
 
     def name(self)->str:
         "The name of the next resume point"
@@ -342,12 +342,6 @@ class RunPoints:
         bg = self.background or stopping is not None
         self.writer(partial(self._write, ck, name, start), then=self.prune, background=bg)
 
-    def write_now(self, ck:dict, name:str):
-        "Write the resume point `ck` as `name` now, in this thread, once the write in flight ended"
-        self.writer.wait()
-        self._write(ck, name)
-        self.prune()
-
     def _write(self, ck, name, start=None):
         "Write the resume point `ck` as `name`, and start the history log it could not append to"
         if isinstance(ck, Pending): ck = ck.to_host()  # a device snapshot: its copy to the host ends here
@@ -358,7 +352,7 @@ class RunPoints:
             if e.errno != errno.ENOSPC: raise
             raise OSError(e.errno, f"{e.strerror}; {self.kept()} once there is room") from None
         # written and durable: where a rerun continues
-        self.last = (self.store.where(name), record_text(resume_record(ck)))
+        self.last,self.newest = (self.store.where(name), record_text(resume_record(ck))),name
 
     def prune(self):
         "Remove the resume points beyond the `keep` newest complete ones, but for the fit calls' end states"

@@ -194,10 +194,6 @@ def checkpoint_info(file)->dict:
         if rec['iter'] == 0 and rec['epoch'] > 0 and pos['n_iter']: pos.update(epoch=rec['epoch'], batch=pos['n_iter'])
     w = _world(rec)
     fit = rec.get('fit_index')
-    if (r := rec.get('raised')) is not None:  # the end of a fit call that raised an error, which the script caught
-        fits = rec.get('fits') or []
-        n = fits[fit].get('n_epoch') if fit is not None and fit < len(fits) and isinstance(fits[fit], dict) else None
-        info['ended_by'] = dict(error=r['error']['type'], epoch=r['epoch']+1, n_epoch=n)
     return dict(info, resume=True, version=rec.get('version'), position=pos, fit_call=None if fit is None else fit+1,
                 world_size=w['world_size'], **({'elastic': True} if w['elastic'] and w['world_size'] > 1 else {}),
                 metrics=_metrics(rec), meta={k:_num(v) for k,v in (rec.get('meta') or {}).items()})
@@ -224,8 +220,7 @@ def _where(info):
     "A short description of where a checkpoint's run stands"
     if info['kind'] == 'fastai': return "no resume point (fastai model and optimizer)"
     if info['kind'] == 'weights': return "no resume point (weights only)"
-    p,e = info['position'],info.get('ended_by')
-    if e is not None: return f"fit call ended by {e['error']} in epoch {e['epoch']}/{e['n_epoch']} (the script went on)"
+    p = info['position']
     return "finished run (saved after fit returned)" if p is None else _pos(p)
 
 def _fmt(v): return f"{v:.6g}" if isinstance(v, float) else str(v)

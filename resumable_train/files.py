@@ -306,16 +306,6 @@ def check_record(r:dict,
     if r.get('loss') is not None: _tensor(r['loss'], 'loss')
     for k in ('meta', 'plan'): _of(r.get(k, {}), k, dict)
     if 'fit_index' in r: _fit_ledger(r)
-    if 'raised' in r: _raised(r['raised'])
-
-def _raised(v):
-    "Check the error that ended the fit call whose end the record is (`fitcalls.Raised`): what a rerun raises again"
-    err = _of(_of(v, 'raised', dict).get('error'), 'raised.error', dict)
-    for k in ('module', 'type'): _of(err.get(k), f'raised.error.{k}', str)
-    for i,a in enumerate(_of(err.get('args'), 'raised.error.args', list)):
-        _of(a, f'raised.error.args[{i}]', str, int, float, bool, type(None))
-    for k in ('epoch', 'iter', 'train_iter'): _int(v.get(k), f'raised.{k}')
-    _of(v.get('training'), 'raised.training', bool)
 
 def _fit_ledger(r):
     "Check what `AutoResume` adds: the fit call's number, each call's setup so far, the end file of each completed call"

@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_fitcalls.ipynb #ef3f3fc1
 from __future__ import annotations
-import dataclasses, hashlib, inspect, itertools, json, os, re, sys, warnings
+import hashlib, inspect, json, os, sys, warnings
 import numpy as np, torch
 from functools import partial
 from torch import nn
@@ -12,13 +12,13 @@ from fastai.torch_core import num_distrib, get_model
 from .files import *
 from .state import *
 from pathlib import Path
-from .hooks import is_a, made_identity
+from .hooks import is_a, made_identity, LeanCallback
 from .store import read_runlog, runlog_identity, run_files
 from .checkpoints import newest_valid
 from .loaders import TrainLoader, loader_of
 
 # %% auto #0
-__all__ = ['run_setup', 'setup_diff', 'check_setup', 'fit_plan', 'learner_identity']
+__all__ = ['data_digest', 'acting_callbacks', 'run_setup', 'setup_diff', 'check_setup', 'fit_plan', 'run_identity']
 
 # %% ../nbs/02_fitcalls.ipynb #13b37f49
 def _arch(model)->list:
@@ -36,6 +36,42 @@ def _data_setup(dl)->dict:
     if hasattr(dl, 'after_item'): out.update(item_tfms=_tfm_names(dl.after_item), batch_tfms=_tfm_names(dl.after_batch))
     return out
 
+def _item_bytes(o)->bytes:
+    "An item's content as bytes: tensors and arrays by value, a file by its folder and name (the run's folder may move)"
+    if isinstance(o, torch.Tensor):
+        o = o.detach().cpu().contiguous()
+        return f"{o.dtype}{tuple(o.shape)}".encode() + o.flatten().view(torch.uint8).numpy().tobytes()
+    if isinstance(o, np.ndarray) and o.dtype != object: return f"{o.dtype}{o.shape}".encode() + o.tobytes()
+    if isinstance(o, (list, tuple, np.ndarray)): return b'(' + b','.join(map(_item_bytes, o)) + b')'
+    if isinstance(o, Path): return '/'.join(o.parts[-2:]).encode()
+    return repr(o).encode() if isinstance(o, (str, bytes, int, float, bool, type(None))) else type(o).__name__.encode()
+
+def data_digest(dl, n:int=8)->str|None:
+    ("A digest of `n` items spread over `dl`'s data, read where they are kept (a list, fastai's `items`, a "
+     "`TensorDataset`'s tensors, a `DataFrame`'s rows), never through a transform; `None` where they are not kept")
+    ds = getattr(dl, 'dataset', None)
+    src = ds if isinstance(ds, (list, tuple)) else getattr(ds, 'items', None)
+    if src is None and isinstance(getattr(ds, 'tensors', None), tuple): src = list(zip(*ds.tensors))
+    try: m = len(src)
+    except TypeError: return None
+    idx = sorted({round(k*(m-1)/(n-1)) for k in range(n)}) if m else []
+    rows = src.iloc[idx].values.tolist() if hasattr(src, 'iloc') else [src[i] for i in idx]
+    return hashlib.sha1(b'|'.join(map(_item_bytes, rows))).hexdigest()[:16]
+
+# events inside a batch: a callback that defines one changes what trains (its batch, loss, gradients or step)
+_ACTS = ('before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step', 'after_step')
+
+def _cb_settings(cb)->str:
+    "A callback's class and the arguments it was made with, where it keeps them (`store_attr`): `GradientClip(max_norm=1.0)`"
+    ps = [p for p in inspect.signature(type(cb).__init__).parameters if p in vars(cb)]
+    v = lambda x: repr(x) if isinstance(x, (bool, int, float, str, type(None))) else _settings(x, 0)
+    return f"{type(cb).__name__}({', '.join(f'{p}={v(getattr(cb, p))}' for p in ps)})"
+
+def acting_callbacks(learn)->list:
+    "The callbacks that act on training (`_ACTS`), with their settings; not the package's, nor the schedule (the plan's)"
+    return [_cb_settings(cb) for cb in learn.cbs if any(hasattr(type(cb), e) for e in _ACTS)
+            and not isinstance(cb, LeanCallback) and not is_a(cb, 'fastai.callback.schedule.ParamScheduler')]
+
 def run_setup(learn, n_epoch:int,
               start:bool=False, # as a fit call starts: with the parameters it trains (those `freeze` leaves)
              )->dict:
@@ -47,8 +83,9 @@ def run_setup(learn, n_epoch:int,
                 n_params=sum(p.numel() for p in learn.model.parameters()),
                 schedule=learn.resume.schedule, world_size=num_distrib() or 1, model=_arch(learn.model),
                 **({} if TrainLoader(learn).exact else {'len_estimate': True}),  # its epochs may deliver more or fewer
-                **({'trainable_params': sum(p.numel() for p in learn.model.parameters() if p.requires_grad)} if start
-                   else {}))
+                **(dict(trainable_params=sum(p.numel() for p in learn.model.parameters() if p.requires_grad),
+                        data=data_digest(dl), callbacks=acting_callbacks(learn),
+                        metrics=[getattr(m, 'name', type(m).__name__) for m in learn.metrics]) if start else {}))
 
 def _arch_diff(saved:list, now:list)->str:
     "Where two architectures differ, in words: the first modules that differ"
@@ -59,7 +96,9 @@ def _arch_diff(saved:list, now:list)->str:
 
 def setup_diff(saved:dict, now:dict, skip=())->list:
     "What differs between two `run_setup`s, in words, but for keys in `skip` or absent from an older `saved`"
-    return [_arch_diff(saved[k], v) if k == 'model' else f"{k}: saved {saved[k]}, now {v}"
+    word = dict(model=lambda k,a,b: _arch_diff(a, b),
+                data=lambda k,a,b: "data: other items (a sample of the training items differs in content)")
+    return [word.get(k, lambda k,a,b: f"{k}: saved {a}, now {b}")(k, saved[k], v)
             for k,v in now.items() if k not in skip and k in saved and saved[k] != v]
 
 def check_setup(saved:dict, now:dict, file=''):
@@ -188,157 +227,18 @@ def check_plan(saved, now, file, strict=False, # refuse (or warn)
     warnings.warn(f"{msg}; {then} (strict_hypers=True refuses)", stacklevel=user_stacklevel())
 
 # %% ../nbs/02_fitcalls.ipynb #7d1e5a40
-def learner_identity(learn)->dict:
-    ("What makes `learn` one run's Learner, taken once, as fastai made it (`after_create`; else as `AutoResume` joins "
-     "it): its script's name (`None` in a notebook) and the default hyperparameters it was given (`made_identity`)")
-    # not its model, data, loss or optimizer: the same script edited, which `check_setup` and `check_plan` name
-    rs = learn.resume
-    if rs.identity is None: rs.identity = made_identity(learn)  # a Learner made before the package was imported
-    return rs.identity
+def run_identity()->dict:
+    "What makes this process's runs one script's: its name (`hooks.made_identity`)"
+    return made_identity()
 
 # %% ../nbs/02_fitcalls.ipynb #b9e795bd
-# terminal IPython numbers each run of a cell
-def _cell_file(name:str)->str: return re.sub(r'^<ipython-input-\d+-', '<ipython-input-', name)
-
 _LIBS = {'fastai', 'fastcore', 'torch', 'resumable_train'}  # the packages between the user's code and a fit call
 
-def call_site(f=None)->tuple:
-    "Where the running fit call was called from: each frame's file, function and line, up to the user's first frame"
-    f,out = f or sys._getframe(1),[]
-    while f is not None:
-        out.append((_cell_file(f.f_code.co_filename), f.f_code.co_name, f.f_lineno))
-        if f.f_globals.get('__name__', '').partition('.')[0] not in _LIBS: break
-        f = f.f_back
-    return tuple(out)
-
-def _user_frame(f=None):
-    "The innermost frame of the user's code in the stack: the one that called fastai or this package"
-    f = f or sys._getframe(1)
-    while f is not None and f.f_globals.get('__name__', '').partition('.')[0] in _LIBS: f = f.f_back
-    return f
-
 def user_stacklevel()->int:
-    "The `stacklevel` that shows the caller's warning at the user's line (`_user_frame`), not at the package's"
+    "The `stacklevel` that shows the caller's warning at the user's line, not at the package's"
     f,n = sys._getframe(1),1
     while f is not None and f.f_globals.get('__name__', '').partition('.')[0] in _LIBS: f,n = f.f_back,n+1
     return n
-
-_runs = itertools.count()  # numbers for the runs of code outside IPython
-
-def _cell_run():
-    "The IPython execution (a cell run) running now; `None` outside IPython, where a run is told by its frame"
-    ip = getattr(sys.modules.get('IPython'), 'get_ipython', lambda: None)()
-    return getattr(ip, 'execution_count', None)
-
-def _site_text(site)->str:
-    "The line of the user's code"
-    return f"{Path(site[-1][0]).name}:{site[-1][2]}" if site else 'nowhere'
-
-def call_diff(then:dict, now:dict, site:bool=True)->list:
-    "What differs between the fit calls `then` and `now` (`FitCalls.identify`), in words; `site`: where called from too"
-    out = []
-    if then['site'] != now['site'] and site:
-        out = [f"called from {_site_text(now['site'])}, then from {_site_text(then['site'])}"]
-    out += setup_diff(then['setup'], now['setup'])
-    return out + plan_changes(then['plan'], now['plan'])
-
-# %% ../nbs/02_fitcalls.ipynb #af37a66e
-class FitCalls:
-    "This process's fit calls, and which one a new call is: the next, or, after an interruption, one of that cell's"
-    def __init__(self):
-        # each call's identity; the user's frame of the last call, and its run of code
-        self.calls,self.caller = [],(None, None)
-        self.done,self.index = 0,0  # the calls completed; the number of the running (or last) call
-        # a call stopped before its end; a stop after its end; a cell run again
-        self.unfinished,self.cut,self.again = False,False,False
-        # the running call raised an exception in this process (`Raised`): the same run of the code calls afresh, as in
-        # fastai; the call that raised, over, whose end the next call keeps (`FitStart.decide`)
-        self.raised,self.restart,self.kept = None,False,None
-        self.refused = None  # the refusal of the last fit call, in words: the code that caught it gets it again
-
-    # `learn.export`
-    def __getstate__(self):
-        return dict(self.__dict__, calls=[], caller=(None, None), cut=False, unfinished=False, raised=None, kept=None,
-                    refused=None)
-
-    def identify(self, learn, plan:dict)->dict:
-        "What tells this fit call from the others: where it is called from, by which run of that code, setup and plan"
-        frame,(held,run) = _user_frame(),self.caller
-        # the frame of the previous fit call's code, still held: the same run of that code
-        retry,cell = frame is held,_cell_run()
-        run = ('cell', cell) if cell is not None else run if retry else next(_runs)
-        self.caller = (frame, run)  # held until the next fit call (a frame's `id` may be another's once it ends)
-        return dict(site=call_site(), run=run, retry=retry, setup=run_setup(learn, learn.n_epoch, start=True),
-                    plan=plan)
-
-    def which(self, me:dict, refusal)->int:
-        "The number of the fit call `me` (see the rule above); `refusal(msg)` makes the error for none of them"
-        refused,self.refused = self.refused,None
-        if refused and me['retry']:  # the code that caught a refusal goes on: it must not train on the refused run
-            raise CheckpointError(f"{refused}\n(AutoResume refuses this fit call too: it follows that refusal in the "
-                                  "code that caught it. Do what the refusal says, then run the script again)")
-        # after an exception caught by the same run of the code (a retry in a loop, another call in `except`), fastai's
-        # next fit starts from the Learner as the exception left it: so does this call, the one after the call that
-        # raised (that one is over: its end is kept, `Raised`; under a process group it stands in for it);
-        # a new run of that code (its cell run again) continues the call, as after a stop
-        raised,self.raised,self.kept = self.raised,None,None
-        self.restart = raised is not None and self.unfinished and me['run'] == self.calls[self.index]['run']
-        if self.restart:
-            self.unfinished = False
-            if raised.over: self.done,self.kept = self.index+1,raised
-        self.again = self.unfinished or self.cut
-        if not self.again: return self.done
-        n = self.index  # the interrupted call
-        # called again by the code that caught it
-        if me['retry'] and not call_diff(self.calls[n], me, site=False): return n
-        first = n
-        while first and self.calls[first-1]['run'] == self.calls[n]['run']: first -= 1
-        j = next((j for j in range(first, n+1) if not call_diff(self.calls[j], me)), None)
-        if j is not None: return j
-        if not self.unfinished: return self.done  # the interrupted cell's calls completed: this is the next call
-        calls = f"fit calls {first+1} to {n+1}" if first < n else f"fit call {n+1}"
-        raise refusal(f"AutoResume: fit call {n+1} was interrupted in this process, and this fit call is none of the "
-                      f"calls that running its cell again makes ({calls}): it differs from fit call {n+1} "
-                      f"({'; '.join(call_diff(self.calls[n], me))}). Run the cell again as it was to continue, "
-                      "or build the Learner again to run the calls from the first "
-                      "(those that completed are loaded, not trained again)")
-
-    def start(self, i:int, me:dict):
-        ("Fit call `i`, identified as `me`, starts (calls before it that this process did not make are left out: a "
-         "cached stage)")
-        gap = [dict(me, run=None, site=())] * (i - len(self.calls[:i]))
-        self.index,self.calls,self.cut = i,self.calls[:i] + gap + [me],False
-
-    def finish(self):
-        "The running fit call completed"
-        self.done,self.unfinished = self.index+1,False
-
-# %% ../nbs/02_fitcalls.ipynb #a76696c0
-@dataclasses.dataclass
-class Raised:
-    "A fit call that raised an error in this process while it trained: over once the code that caught it goes on"
-    fit:int # its number, from 0
-    over:bool=True # the next fit call is numbered after it (else, under a process group, it stands in for it)
-    keep:callable|None=None # writes its end, the Learner as the error left it, when the script goes on; `None`: written
-
-def error_record(e:BaseException)->dict:
-    "What a rerun needs to raise `e` again: its class's module and name, and its arguments as plain values"
-    plain = lambda a: a if isinstance(a, (str, int, float, bool, type(None))) else str(a)
-    return dict(module=type(e).__module__, type=type(e).__qualname__, args=[plain(a) for a in e.args])
-
-def remade_error(err:dict)->BaseException|None:
-    "The error `error_record` describes, made again without its `__init__`; `None` where this process has no such class"
-    cls = sys.modules.get(err['module'])
-    for part in err['type'].split('.'): cls = getattr(cls, part, None)
-    if not (isinstance(cls, type) and issubclass(cls, BaseException)): return None
-    e = cls.__new__(cls)
-    e.args = tuple(err['args'])
-    return e
-
-def unkept_raises()->list:
-    "The fit calls of this process's runs that raised and whose end is not written yet (`Raised.keep`)"
-    return [r for rs in _run_states.values() if (r := rs.calls.raised) is not None and r.keep is not None]
-
 
 # %% ../nbs/02_fitcalls.ipynb #4fbb4164
 def start_digest(learn)->str:
@@ -351,8 +251,9 @@ def start_digest(learn)->str:
 class RunState:
     "A run's fit calls in this process, whichever `Learner` or `AutoResume` makes them"
     def __init__(self, where:str):
-        self.where,self.calls,self.fits,self.ends,self.starts = where,FitCalls(),[],[],[]
-        self.identity = None  # the run's `learner_identity`, once this process knows it: its points hold it
+        self.where,self.fits,self.ends,self.starts = where,[],[],[]
+        self.index,self.done = 0,0  # the running (or last) fit call; the calls over in this process, from the first
+        self.identity = None  # the run's `run_identity`, once this process knows it: its points hold it
 
     def jump(self, i:int, digest:str, rec:dict)->int:
         "The call the fit call numbered `i` is: a later one of `rec`'s run when it starts from that call's weights"
@@ -363,10 +264,9 @@ class RunState:
         later = [k for k in range(i+1, min(len(starts), rec['fit_index']+2)) if starts[k] == digest]
         return later[0] if later else i
 
-    def begin(self, i:int, me:dict, setup:dict, digest:str, rec:dict|None):
-        "Fit call `i` starts, identified as `me`; the calls before it that this process left out come from `rec`"
-        old = rec or {}
-        self.calls.start(i, me)
+    def begin(self, i:int, setup:dict, digest:str, rec:dict|None):
+        "Fit call `i` starts with `setup`; the calls before it that this process left out come from `rec`"
+        old,self.index = rec or {},i
         for name,now in (('fits', setup), ('starts', digest)):
             mine = getattr(self, name)[:i]
             setattr(self, name, mine + list(old.get(name) or [None]*i)[len(mine):i] + [now])
@@ -380,12 +280,16 @@ def run_at(where:str)->RunState:
     url,_,fname = where.rpartition('/')
     return _run_states.setdefault((url, fname), RunState(where))
 
+def left_unfinished(run:RunState, point:str|None):
+    "The running call ended here before its end (an error, a stop): over in this process, its newest `point` in the journal"
+    run.ends,run.done = (run.ends + [None]*run.index)[:run.index] + [point],run.index+1
+
 def run_state(store, fname:str)->RunState: return run_at(f"{_url(store)}/{fname}")  # the run `fname` in `store`
 
 
 # %% ../nbs/02_fitcalls.ipynb #a49c0002
 def identity_digest(identity:dict)->str:
-    "Eight hex digits that tell the run `identity` (`learner_identity`) from others, the same in every process"
+    "Eight hex digits that tell the run `identity` (`run_identity`) from others, the same in every process"
     return hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
 
 def files_owner(store, fname:str)->dict|None:
@@ -400,7 +304,7 @@ def files_owner(store, fname:str)->dict|None:
 _run_names = {}  # by folder or URL, fname and identity: the name of the run's files, and the other run's identity
 
 def run_name(store, fname:str, # the name `AutoResume` was given
-             identity:dict, # the run's `learner_identity`
+             identity:dict, # the run's `run_identity`
              share=None, # under a process group: gives every rank rank 0's answer (`AutoResume` as a fit call starts)
             )->tuple:
     ("The name of the files of the run `identity` in `store`: `fname`, unless they are another run's; then "

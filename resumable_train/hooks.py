@@ -105,11 +105,10 @@ _ZEROED = {**dict.fromkeys(['after_backward', *[e for e in dir(event) if e.start
 # the Learner's defaults a fit call takes when it is not given them
 DEFAULT_HYPERS = ('lr', 'wd', 'moms', 'wd_bn_bias', 'train_bn')
 
-def made_identity(learn)->dict:
-    "`learn`'s script's name (`None` in a notebook) and its default hyperparameters now (`fitcalls.learner_identity`)"
+def made_identity()->dict:
+    "The run's identity: its script's name (`None` in a notebook); what the script sets is compared, not identified"
     main = getattr(sys.modules.get('__main__'), '__file__', None)
-    return dict(script=main and os.path.basename(main),
-                defaults={k: repr(getattr(learn, k, None)) for k in DEFAULT_HYPERS})
+    return dict(script=main and os.path.basename(main))
 
 class ResumeState:
     "One `Learner`'s resume state: the resume point waiting for the next `fit`, and where the running fit call is"
@@ -137,8 +136,6 @@ class ResumeState:
         self.rested = False
         # the run (`fitcalls.RunState`) of the last fit call made with `AutoResume`: a stage saved now belongs to it
         self.run = None
-        # what makes this Learner one run's (`fitcalls.learner_identity`): taken as fastai makes it (`after_create`)
-        self.identity = None
         # the callbacks and their orders, and for each event the callbacks it is sent to (`callbacks`)
         self.sent = (), {}, []
         self.zeroed = False  # in a fit: `zero_grad` zeroed the gradients (after a step), not known before the first
@@ -188,7 +185,7 @@ class ResumeState:
         ("What a stage saved now between fit calls stands for: its run (files and identity), and how many of the run's "
          "fit calls it follows")
         if self.run is None: return None
-        return dict(where=self.run.where, done=self.run.calls.done, id=self.run.identity,
+        return dict(where=self.run.where, done=self.run.done, id=self.run.identity,
                     **({'per_call': True} if per_call else {}))
     def continues(self, mark:dict|None, run, identity:dict)->bool:
         ("Does loading a stage saved at `mark` continue `run` here: its run (its files, and `identity`, the run's or "
@@ -196,7 +193,7 @@ class ResumeState:
         # in the process that saved it (or any later point of the run) the stage is a plain model file, as in fastai;
         # another run's (another script's, in the same folder) too, and one written before runs had an identity
         if not (isinstance(mark, dict) and isinstance(mark.get('done'), int) and run is not None): return False
-        return mark.get('where') == run.where and run.calls.done < mark['done'] and mark.get('id') == identity
+        return mark.get('where') == run.where and run.done < mark['done'] and mark.get('id') == identity
     def note(self, event_name:str):
         "The event being sent, and whether `zero_grad` left the gradients (a cancel may skip it; it follows a step)"
         self.event = event_name
@@ -233,13 +230,6 @@ def _with_events(self:Learner, f, event_type, ex, final=noop):
         if rs.attrs:  # the first epoch of a resumed call: the Learner's attributes as a fit inside an event left them
             for k,v in rs.attrs.items(): setattr(self, k, v)
             rs.attrs = {}
-    if event_type == 'fit':
-        try: return stock(self, f, event_type, ex, final)
-        except Exception as e:  # an error ends the fit call: its callbacks see the Learner as the error left it
-            if rs.fitting and not isinstance(e, _CANCELS):
-                for cb in list(self.cbs):
-                    if callable(getattr(type(cb), 'fit_raised', None)): cb.fit_raised(e)
-            raise
     if event_type not in ('train', 'validate'): return stock(self, f, event_type, ex, final)
     rs.phase = event_type
     try: return stock(self, f, event_type, ex, final)
@@ -272,8 +262,6 @@ def _call_one(self:Learner, event_name):
     if rs.fitting and not depth: rs.note(event_name)  # the fit call's own event, before any callback sees it
     # a `fit` inside an event, or a `validate`/`get_preds` not `inner`: fastai's `TrainEvalCallback` counts from 0 again
     elif depth and event_name == 'before_fit' and rs.fitting: rs.inner_fits += 1
-    # as the script made it: before a branch that a cached stage skips sets `learn.lr`
-    elif event_name == 'after_create' and rs.identity is None: rs.identity = made_identity(self)
     rs.depth = depth+1
     try:
         for cb in rs.callbacks(self.cbs, event_name, depth > 0): cb(event_name)

@@ -19,7 +19,7 @@ from .hooks import short_refusals, FitEvents, fastai_code, fit_call, is_a, when_
 from .collectives import read_on_rank0, world_size
 from .point import ResumePoint, restore_rest, make_point
 from .skip import SkipToIter
-from .fitcalls import run_setup, learner_identity, run_at
+from .fitcalls import run_setup, run_identity, run_at
 
 # %% auto #0
 __all__ = []
@@ -103,10 +103,10 @@ def _run_of(learn, mark:dict|None=None):
 
 def _continues(learn, rest:dict)->bool:
     ("Does loading a stage with the rest point `rest` continue the run `learn` is part of here: that run's files, "
-     "identity (`learner_identity`) and fit-call boundary (`ResumeState.continues`)? It then holds that identity")
+     "identity (`run_identity`) and fit-call boundary (`ResumeState.continues`)? It then holds that identity")
     run = _run_of(learn, rest.get('run'))
     if run is None: return False
-    mine = run.identity or learner_identity(learn)
+    mine = run.identity or run_identity()
     if not learn.resume.continues(rest.get('run'), run, mine): return False
     run.identity = mine
     return True
@@ -220,11 +220,6 @@ Learner.load._fastai = _stock_load
 # %% ../nbs/02f_learner.ipynb #104acf89
 _stock_fit = fastai_code('Learner.fit')  # fastai's own, also once the package has patched it
 
-class _Replay(BaseException):
-    ("The error that ended a fit call in an earlier process of the run, which the script caught and went on: `AutoResume` "
-     "raises it again, past every callback (fastai's `Callback` rewords an `Exception`), and `fit` raises `error`")
-    def __init__(self, error:BaseException): self.error = error
-
 @patch
 def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
         start_epoch:int=0, # the epoch to start in
@@ -246,18 +241,16 @@ def fit(self:Learner, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False,
     if not any(isinstance(cb, FitEvents) for cb in cbs+self.cbs): cbs += FitEvents()
     left = {id(cb): cb for cb in L(self.cbs)+cbs}  # `cbs` are gone from `self.cbs` when `fit` ends
     self.resume.begin(schedule, n_epoch)
-    raised,replay = False,None  # an exception (not a stop: `KeyboardInterrupt`, `SystemExit`) ended the call
+    raised = False  # an exception (not a stop: `KeyboardInterrupt`, `SystemExit`) ended the call
     try:
         with fit_call(self, _stock_fit, (n_epoch,), {k: v for k,v in dict(lr=lr, wd=wd).items() if v is not None}):
             _stock_fit(self, n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt, start_epoch=stock_start)
-    except _Replay as r: raised,replay = True,r.error
     except Exception: raised = True; raise
     finally:
         self.resume.end()
         for cb in left.values():
             # whatever way `fit` ends: fastai sends no `after_fit` after an exception
             if hasattr(type(cb), 'left_fit'): cb.left_fit(raised)
-    if replay is not None: raise replay
 Learner.fit._fastai = _stock_fit
 
 # %% ../nbs/02f_learner.ipynb #948857b7

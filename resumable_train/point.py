@@ -143,7 +143,7 @@ def _last_loss(learn):
 def _put_loss(learn, rec):
     if rec.get('loss') is not None: learn.loss = rec['loss'].to(getattr(learn.dls, 'device', None) or 'cpu')
 
-def capture(learn, end:bool=False, # as the fit call ends, wherever it is (an error ends it: `AutoResume.fit_raised`)
+def capture(learn, end:bool=False, # as the fit call ends, wherever it is 
            )->ResumePoint|None:
     "The state of `learn`'s running `fit` at this batch boundary (or at its end), or `None` outside `fit`"
     rs = learn.resume

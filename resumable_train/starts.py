@@ -11,8 +11,7 @@ from .files import *
 from .state import callback_keys
 from .collectives import read_on_rank0
 from .point import ResumePoint, restore_end
-from .fitcalls import setup_diff, check_plan, RunState, start_digest, user_stacklevel, learner_identity
-from .fitcalls import remade_error
+from .fitcalls import setup_diff, check_plan, RunState, start_digest, user_stacklevel, run_identity, run_setup
 from .learner import load_through, plan_resume
 from .store import point_at
 from .checkpoints import RunPoints, file_name, holder_rank, scan_run, record_text
@@ -43,7 +42,7 @@ def _finished(rec, i:int)->bool:
 _MORE = ("; to train on from where it ended, keep this fit call as it was and add another fit call after it "
          "(the finished one is loaded, not trained again)")
 
-_DATA_KEYS = ('n_iter', 'bs', 'workers', 'item_tfms', 'batch_tfms', 'n_items')  # what a run's DataLoaders decide
+_DATA_KEYS = ('n_iter', 'bs', 'workers', 'item_tfms', 'batch_tfms', 'n_items', 'data')  # what a run's DataLoaders decide
 
 def _setup_refusal(rec, i:int, diff:list)->str:
     "Why fit call `i` cannot continue the run of `rec`, whose setup of that call differs by `diff`, and what to do"
@@ -76,98 +75,87 @@ class FitStart:
     @property
     def folder(self): return getattr(self.store, 'folder', self.store.url)  # a local folder, or a URL
     @property
-    def index(self)->int: return self.run.calls.index  # the number of this fit call, from 0
+    def index(self)->int: return self.run.index  # the number of this fit call, from 0
     def refusal(self, what): return _refusal(self.folder, self.fname, what)
 
     def decide(self, plan)->tuple:
-        ("Which fit call this is and how it starts: `(kind, file, record, checkpoint)`, kind 'start', 'skip' (it "
-         "finished), 'continue' (from `file`) or 'after' (a call this process did not make)")
-        rs,calls = self.run,self.run.calls
-        me = calls.identify(self.learn, plan)
-        n = i = calls.which(me, self.refusal)
-        # the call that raised in this process is over, now that the script goes on: its end is kept (a rerun loads it and
-        # raises the error again), and this call comes after it
-        if calls.kept is not None and calls.kept.keep is not None: calls.kept.keep(); calls.kept.keep = None
-        # the newest valid resume point of the run, any node's
+        ("Which fit call this is and how it starts: `(kind, file, record, checkpoint)`, kind 'start', 'skip' (it is "
+         "done), 'continue' (from `file`) or 'after' (a call this process did not make)")
+        rs = self.run
+        n = i = rs.done  # the process's next fit call (`fitcalls`: one rule)
+        # the newest valid resume point of the run, any node's: its journal
         file,state,self.src,self.points.next_num = scan_run(self.store, self.fname, self.wait)
         rec = None if file is None else resume_record(state)
         # another run's points under this run's name (`run_name` gives another run's files a name of their own; here
-        # their run log said otherwise): this run starts afresh, numbering after them; the same run's with another setup
-        # or plan are refused or warned below
-        mine = rs.identity or learner_identity(self.learn)
+        # their run log said otherwise): this run starts afresh, numbering after them
+        mine = rs.identity or run_identity()
         if rec is not None and rec.get('run_id') not in (None, mine): file,state,rec = None,None,None
         rs.identity = mine
         digest = start_digest(self.learn)
         if file is not None and rec.get('fit_index') is not None: i = rs.jump(i, digest, rec)  # a cached stage
-        # the setup `identify` took as the call starts
-        rs.begin(i, me, me['setup'], digest, rec if file is not None else None)
-        if calls.unfinished and (file is None or rec.get('fit_index', -1) < i):
-            raise CheckpointError(f"AutoResume: fit call {i+1} stopped in this process before it wrote a resume point "
-                                  f"in {self.folder}, so the Learner no longer holds the state that call started from. "
-                                  "Run the script again (in a notebook: restart the kernel and run its cells again): "
-                                  "the completed fit calls are loaded, not trained again")
-        # no point, or only those of the attempt that raised in this process (under a process group, where this call
-        # stands in for it, `Raised.over`): the call starts from the Learner as it is
-        if file is None or calls.restart and calls.kept is None and rec.get('fit_index') == i:
+        rs.begin(i, run_setup(self.learn, self.learn.n_epoch, start=True), digest, rec if file is not None else None)
+        if file is None:
             rs.ends = rs.ends[:i]
             return ('start', None, None, None)
         if rec.get('fit_index') is None:
             raise _different_run(self.folder, self.fname, f"{file_name(file)} was not written by AutoResume")
         self.points.last = (file, record_text(rec))
+        f = rec['fit_index']
+        if f < i:  # the journal ends before this call: the previous call is over, here or in an earlier run
+            if 0 < i == n: return ('start', file, rec, None)  # this process made it (a retry after an error, too)
+            if (f, rec['epoch'] is None) != (i-1, True):
+                raise self.refusal(f"AutoResume: the newest resume point in {self.folder} is at {record_text(rec)}, "
+                                   f"but this process has already finished fit call {i}: the files changed while it ran")
+            rs.ends = list(rec.get('ends', [])[:i])
+            return ('after' if i > n else 'start', file, rec, None)  # 'after': this process did not make call i-1
         skip = _WORLD_KEYS if self.elastic else ()
         diff = [] if i >= len(rec['fits']) else setup_diff(rec['fits'][i], rs.fits[-1], skip=skip)
         if diff: raise _different_run(self.folder, self.fname, _setup_refusal(rec, i, diff))
-        if _finished(rec, i):
-            self._hypers_changed(rec.get('plan') if rec['fit_index'] == i else None, plan, file,
-                                 "its result is used as it is")
+        if f > i:  # the run went past this call: done (its end), or unfinished (its newest point, or none)
+            ends = rec.get('ends', [])
+            if i >= len(ends): raise self.refusal(f"AutoResume: {file} names no file for fit call {i+1}, which the run "
+                                                  "went past")
+            if ends[i] is None:
+                self.say(f"AutoResume: fit call {i+1} ended before its end in an earlier run, before its first resume "
+                         "point; it starts again")
+                rs.ends = ends[:i]
+                return ('start', file, rec, None)
+            file,state = self.read(self.store.where(ends[i]), i)
+            rec = resume_record(state)
+        if rec['epoch'] is None:
+            self._hypers_changed(rec.get('plan'), plan, file, "its result is used as it is")
             return ('skip', file, rec, None)
-        if rec['fit_index'] == i:
-            self._hypers_changed(rec.get('plan'), plan, file,
-                                 "they apply from that resume point on, so the result matches neither run")
-            # another number of processes: refused here, before fastai prints, if the trainer cannot continue it
-            if self.elastic:
-                try: plan_resume(self.learn, ResumePoint.from_record(rec, file), True)
-                except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
-            return ('continue', file, rec, state)
-        if (rec['fit_index'], rec['epoch'] is None) != (i-1, True):
-            raise self.refusal(f"AutoResume: the newest resume point in {self.folder} is at {record_text(rec)}, but "
-                               f"this process has already finished fit call {i}: the files changed while it ran")
-        rs.ends = list(rec.get('ends', [])[:i])
-        return ('after' if i > n else 'start', file, rec, None)  # 'after': this process did not make call i-1
+        self._hypers_changed(rec.get('plan'), plan, file,
+                             "they apply from that resume point on, so the result matches neither run")
+        if f > i: self.say(f"AutoResume: fit call {i+1} ended before its end in an earlier run, and the script went on "
+                           "(an error it caught, or a stop): it continues from its newest resume point; an error that "
+                           "comes back comes back there, one that does not is gone")
+        # another number of processes: refused here, before fastai prints, if the trainer cannot continue it
+        if self.elastic:
+            try: plan_resume(self.learn, ResumePoint.from_record(rec, file), True)
+            except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
+        return ('continue', file, rec, state)
 
-    def skip(self, file, rec)->BaseException|None:
-        ("This fit call finished: load its end state from the ledger, say so, and train nothing (a fit of no epochs); or "
-         "the error that ended it, to raise again (`raise_again`)")
-        i,ends = self.index,rec.get('ends', [])
-        name = file_name(file) if rec['fit_index'] == i else ends[i] if i < len(ends) else None
-        if name is None: raise self.refusal(f"AutoResume: fit call {i+1} finished in an earlier run, but {file} "
-                                            "does not name the file of its end state")
-        where = self.store.where(name)
+    def read(self, file, i:int)->tuple:
+        "The checkpoint `file` that the journal names for fit call `i`, from a node that holds it"
+        try: return file,read_on_rank0(file, holder_rank(self.store, file_name(file), self.src))
+        except CheckpointError as e:
+            raise self.refusal(f"AutoResume: the run's journal names {file} for fit call {i+1}, but it cannot be "
+                               f"loaded: {e}") from e
+
+    def skip(self, file, rec):
+        "This fit call is done: load its end state from the journal, say so, and train nothing (a fit of no epochs)"
+        i = self.index
+        where = self.store.where(file_name(file))
         end_rec = self.load_end(where, i)
-        if (raised := end_rec.get('raised')) is not None: return self.raise_again(where, raised)
-        when = 'before the interruption' if self.run.calls.again else 'in an earlier run'
         # the files hold nothing after this call: one message says all
-        last = rec['fit_index'] == i and rec['epoch'] is None
-        self.say(f"AutoResume: fit call {i+1} finished {when}; its end state is loaded from {where}" + (
+        last = self.points.last is not None and self.points.last[0] == file
+        self.say(f"AutoResume: fit call {i+1} finished in an earlier run; its end state is loaded from {where}" + (
             f" ({record_text(end_rec)}), the last the run's files hold, and nothing is trained: a fit call after it "
             f"trains on from there; to train again from the start, run `resumable-train clean {self.folder} --fname "
             f"{self.fname}`"
             if last else ''))
         self.learn.resume.skip()
-
-    def raise_again(self, where, raised:dict)->BaseException:
-        ("The error that ended this fit call in an earlier run, which the script caught and went on, to raise again; the "
-         "Learner is as the error left it (`where`)")
-        i,e = self.index,raised['error']
-        err,name = remade_error(e),f"{e['module']}.{e['type']}"
-        if err is None:
-            raise self.refusal(f"AutoResume: fit call {i+1} was ended by {name} in an earlier run, and the script went on "
-                               f"after it; this process has no class {name} to raise it again (is it defined or "
-                               "imported before that fit call?)")
-        self.learn.epoch,self.learn.iter,self.learn.training = raised['epoch'],raised['iter'],raised['training']
-        self.say(f"AutoResume: fit call {i+1} was ended by {err!r} in an earlier run, and the "
-                 f"script went on; the Learner as the error left it is loaded from {where}, and the error raised again")
-        return err
 
     def end_skip(self):
         "End the finished fit call where it ended, whatever a callback's `after_fit` loaded or drew meanwhile"
@@ -186,16 +174,13 @@ class FitStart:
         try: load_through(self.learn, _stem(file), strict_hypers=None, state=state, elastic=self.elastic,
                           fresh_callbacks=self.fresh_callbacks)
         except CheckpointError as e: raise _different_run(self.folder, self.fname, str(e)) from e
-        self.run.ends = list(rec.get('ends', [])[:self.index])
+        self.run.ends,self.points.newest = list(rec.get('ends', [])[:self.index]),file_name(file)
         return rec['train_iter'],point_at(file_name(file), rec)
 
     def load_end(self, file, i:int,
                  after:bool=False): # for the next call, after a cached stage: what the cache does not hold
         "Leave the Learner as fit call `i` left it: the end state in `file`"
-        try: state = read_on_rank0(file, holder_rank(self.store, file_name(file), self.src))  # a node that holds it
-        except CheckpointError as e:
-            raise self.refusal(f"AutoResume: fit call {i+1} finished in an earlier run, but its end state cannot be "
-                               f"loaded: {e}") from e
+        state = self.read(file, i)[1]
         rec = resume_record(state)
         if rec is None or rec.get('fit_index') != i or rec.get('epoch') is not None:
             raise self.refusal(f"AutoResume: {file} is named as the end state of fit call {i+1} but does not hold it")

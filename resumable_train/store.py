@@ -501,7 +501,7 @@ def read_runlog(where, # a folder, an fsspec URL or a store
     return _events(_read(store, runlog_name(fname)), f"{store.url}/{runlog_name(fname)}")
 
 def runlog_identity(events:list)->dict|None:
-    "The identity of the run whose story `events` tell (`fitcalls.learner_identity`), as its first event has it"
+    "The identity of the run whose story `events` tell (`fitcalls.run_identity`), as its first event has it"
     return events[0].get('run') if events else None  # `None`: a story written before runs had one
 
 # %% ../nbs/00a_store.ipynb #1e2de49a
@@ -610,7 +610,7 @@ class RunLog:
               n:tuple, # the fit call's number of epochs and of batches per epoch
               at:dict|None=None, # where it continues: a resume point's `point`, `epoch`, `iter`, `train_iter`, `time`
               fresh:bool=False, # a run's first fit call, no resume point: a story that got further is another run's
-              run:dict|None=None): # the run's identity (`fitcalls.learner_identity`): a new story starts with it
+              run:dict|None=None): # the run's identity (`fitcalls.run_identity`): a new story starts with it
         "Say how fit call `fit` starts training; first, if the last process vanished, that it was killed"
         if not self.on: return
         try: data = _read(self.store, runlog_name(self.fname))
@@ -697,10 +697,8 @@ def run_summary(events:list)->dict:
                 lost_s=round(sum(e.get('lost_s') or 0 for e in events), 3))
 
 def identity_text(run:dict)->str:
-    "A run's identity (`fitcalls.learner_identity`) in words: its script and its Learner's defaults"
-    script = f"script {run['script']}" if run.get('script') else "no script (a notebook)"
-    defaults = run.get('defaults') if isinstance(run.get('defaults'), dict) else {}  # a log's text: checked
-    return f"{script}, Learner({', '.join(f'{k}={v}' for k,v in defaults.items())})"
+    "A run's identity (`fitcalls.run_identity`) in words: its script"
+    return f"script {run['script']}" if run.get('script') else "no script (a notebook)"
 
 def timeline(events:list)->list:
     "The events as lines of text, the run's identity first (where its story has it), with a summary last"

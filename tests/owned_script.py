@@ -11,6 +11,7 @@ callback makes inside an event, and `VALID` at each epoch's first validation bat
 - `cancel-valid`: validation on even epochs only (`CancelEpochException` in `after_train`), and a callback that acts on `learn.iter`;
 - `retry`: a transient `RuntimeError` at the 14th batch (once per folder), caught by the script, which calls `fit_one_cycle(4)` again;
 - `fallback`: the same error, and the script falls back to `fit_one_cycle(2, 1e-3)`;
+- `exit`: the same error, and the script exits 1 (a scheduler job, requeued);
 - `retry-fails`: the error at the 14th batch of every attempt, and the script tries `fit_one_cycle(4)` 3 times, then gives up;
 - `tensorboard`: fastai's `TensorBoardCallback()` and `AutoResume()` with their defaults (the model traced; `log_preds`: `one_batch` and
   `show_results` inside `after_epoch`) on an image `DataBlock` of random 16x16 images, `fit_one_cycle(3)` of 6 batches an epoch;
@@ -20,7 +21,7 @@ callback makes inside an event, and `VALID` at each epoch's first validation bat
   `predict` in `before_validate`, `get_preds` with `MCDropoutCallback` in `after_validate` (a call inside a training batch
   leaves fastai's loop in validation mode for the rest of the epoch: not a shape users write).
 """
-import argparse
+import argparse, os, sys
 from pathlib import Path
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from killrerun import Report, Windows, save_result, say
 p = argparse.ArgumentParser()
 p.add_argument('out')
 p.add_argument('--shape', required=True, choices=['one-batch', 'get-preds', 'validate', 'fit-inside', 'after-fit', 'cancel-epoch',
-                                                  'cancel-valid', 'retry', 'fallback', 'retry-fails', 'gan', 'tensorboard',
+                                                  'cancel-valid', 'retry', 'fallback', 'retry-fails', 'exit', 'gan', 'tensorboard',
                                                   'gan-adaptive', 'events'])
 p.add_argument('--no-resume', action='store_true', help='stock fastai: the package never imported')
 a = p.parse_args()
@@ -88,7 +89,7 @@ class EvenValidation(Callback):
 class Flaky(Callback):
     "A transient error at the 14th batch, once in the folder (a flaky disk, a lost connection)"
     def after_batch(self):
-        if self.training and self.train_iter == 14 and not Path('raised').exists():
+        if self.training and self.train_iter == 14 and not Path('raised').exists() and not os.environ.get('NO_ERROR'):
             Path('raised').touch()
             raise RuntimeError('transient')
 
@@ -101,7 +102,7 @@ class NoCallback(Callback): pass
 
 cbs = {'gan': NoCallback, 'gan-adaptive': NoCallback, 'tensorboard': NoCallback, 'events': Everywhere, 'one-batch': Nested, 'get-preds': Nested, 'validate': Nested, 'fit-inside': Nested,
        'after-fit': DrawsAtEnd,
-       'cancel-epoch': CancelAfter5, 'cancel-valid': EvenValidation, 'retry': Flaky, 'fallback': Flaky,
+       'cancel-epoch': CancelAfter5, 'cancel-valid': EvenValidation, 'retry': Flaky, 'fallback': Flaky, 'exit': Flaky,
        'retry-fails': Failing}[a.shape]
 if not a.no_resume: from resumable_train.autoresume import AutoResume
 # `tensorboard`: the default AutoResume() too (a resume point at each epoch's end only, after `log_preds`'s batch)
@@ -132,10 +133,11 @@ else:
 with learn.no_bar():
     if a.shape.startswith('gan'): learn.fit(3, 2e-4, wd=0.)
     elif a.shape == 'tensorboard': learn.fit_one_cycle(3, 1e-2)
-    elif a.shape in ('retry', 'fallback'):
+    elif a.shape in ('retry', 'fallback', 'exit'):
         try: learn.fit_one_cycle(4)
         except RuntimeError as e:
             print('RAISED', e, flush=True)
+            if a.shape == 'exit': sys.exit(1)  # a scheduler job: the requeued job is the rerun
             if a.shape == 'retry': learn.fit_one_cycle(4)
             else: learn.fit_one_cycle(2, 1e-3)
     elif a.shape == 'retry-fails':

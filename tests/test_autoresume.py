@@ -15,13 +15,13 @@ def _forker(forker):
     global FORKER
     FORKER = forker
 
-def run_until(d, out, pred, sig, *args, timeout=90):
-    "Run the script in folder `d` until an output line satisfies `pred`, then send `sig` (none if `None`); return (rc, lines)"
-    return kr.run_until(FORKER, SCRIPT, ['--dir', d, '--out', out, *args], sig=sig, until=pred, timeout=timeout)
+def run_until(d, out, pred, sig, *args, timeout=90, script=SCRIPT):
+    "Run `script` in folder `d` until an output line satisfies `pred`, then send `sig` (none if `None`); return (rc, lines)"
+    return kr.run_until(FORKER, script, ['--dir', d, '--out', out, *args], sig=sig, until=pred, timeout=timeout)
 
-def run_to_end(d, out, *args):
-    "Run the script to its end; return its output lines"
-    rc,lines = run_until(d, out, None, None, *args)
+def run_to_end(d, out, *args, script=SCRIPT):
+    "Run `script` to its end; return its output lines"
+    rc,lines = run_until(d, out, None, None, *args, script=script)
     assert rc == 0, f"rc={rc}\n{''.join(lines[-40:])}"
     return lines
 
@@ -124,22 +124,25 @@ def own_files(lines)->str:
     assert said, ''.join(lines)[-2000:]
     return re.search(r'keeps its own as (\S+)-\*\.pth', said[0]).group(1)
 
+def other_script(tmp_path)->str: return str(TESTS/'train_b.py')  # script B: A's code under another script name
+
 def test_second_script_in_the_folder(stock, tmp_path):
-    """Issue 49: script B (another lr, another schedule) loads script A's file in A's folder, both with AutoResume: B is its own run,
+    """Issue 49: script B (another script name; another lr, another schedule) loads script A's file in A's folder, both with AutoResume: B is its own run,
     not A's continued, in files of its own; A's are left byte for byte. Uninterrupted, and killed in its second fit call then rerun, B
     ends as stock fastai's B; run again, it trains nothing; A run again trains nothing and writes nothing"""
     d,out,ref,a_out = tmp_path/'run',tmp_path/'out.pth',tmp_path/'ref.pth',tmp_path/'a.pth'
-    b = ('--lr', '3e-3', '--sched', 'two', '--load', 'pretrained')
+    b,B = ('--lr', '3e-3', '--sched', 'two', '--load', 'pretrained'),other_script(tmp_path)
     for f in (d, tmp_path/'ref'): run_to_end(f, a_out, '--save', 'pretrained')  # script A, in both folders
     a_files = package_files(d/'models')
-    rc,o = stock.run(SCRIPT, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90)
+    rc,o = stock.run(B, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90)
     assert rc == 0, o[-3000:]
-    rc,lines = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, *b, '--sleep', '0.05')
+    rc,lines = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, *b, '--sleep', '0.05',
+                         script=B)
     assert rc == -signal.SIGKILL
-    lines = run_to_end(d, out, *b)
+    lines = run_to_end(d, out, *b, script=B)
     assert {x[0] for x in batches(lines)} == {'1'} and any(l.startswith('AutoResume: continuing') for l in lines), ''.join(lines)[-2000:]
     same(ref, out)
-    lines = run_to_end(d, out, *b)
+    lines = run_to_end(d, out, *b, script=B)
     assert batches(lines) == [] and torch.load(out, weights_only=True)['steps'] == 0
     same(ref, out)
     assert package_files(d/'models') == a_files, "B left A's files as they were"
@@ -152,22 +155,22 @@ def test_second_script_in_the_folder(stock, tmp_path):
     assert package_files(d/'models') == a_files
 
 def test_killed_script_then_another(refs, stock, tmp_path):
-    """Issue 49: script A killed in its second fit call, then script B (another lr) in the same folder: B trains as stock fastai's B, in
+    """Issue 49: script A killed in its second fit call, then script B (another script name, another lr) in the same folder: B trains as stock fastai's B, in
     files of its own, and leaves A's byte for byte; A run again continues exactly, as the uninterrupted A; B run again trains nothing"""
     d,a_out,b_out,ref = tmp_path/'run',tmp_path/'a.pth',tmp_path/'b.pth',tmp_path/'ref.pth'
-    b = ('--lr', '3e-3', '--tag', 'b')
-    rc,o = stock.run(SCRIPT, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90)
+    b,B = ('--lr', '3e-3', '--tag', 'b'),other_script(tmp_path)
+    rc,o = stock.run(B, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90)
     assert rc == 0, o[-3000:]
     rc,_ = run_until(d, a_out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, '--sched', 'two',
                      '--sleep', '0.05')
     assert rc == -signal.SIGKILL
     a_files = package_files(d/'models')
-    lines = run_to_end(d, b_out, *b)
+    lines = run_to_end(d, b_out, *b, script=B)
     assert len(batches(lines)) == refs['one_cycle_batches'] and not any('continuing' in l for l in lines), ''.join(lines)[-2000:]
     same(ref, b_out)
     assert package_files(d/'models') == a_files, "B left A's files as they were"
     mine = own_files(lines)
-    lines = run_to_end(d, b_out, *b)
+    lines = run_to_end(d, b_out, *b, script=B)
     assert batches(lines) == [] and torch.load(b_out, weights_only=True)['steps'] == 0
     same(ref, b_out)
     lines = run_to_end(d, a_out, '--sched', 'two')
@@ -176,11 +179,20 @@ def test_killed_script_then_another(refs, stock, tmp_path):
     same(refs['two'], a_out)
     assert list((d/'models').glob(f'{mine}-*.pth')) and (d/'models'/f'{mine}.runlog').exists(), "A left B's files"
     rc,out,err = run([CLI, 'ls', d], 60)  # both runs, each with its identity
-    assert rc == 0 and f'run autoresume (autoresume.runlog):\n  run of script autoresume_script.py, Learner(lr=0.01,' in out, out + err
-    assert f'run {mine} ({mine}.runlog):\n  run of script autoresume_script.py, Learner(lr=0.003,' in out, out
+    assert rc == 0 and 'run autoresume (autoresume.runlog):\n  run of script autoresume_script.py\n' in out, out + err
+    assert f'run {mine} ({mine}.runlog):\n  run of script train_b.py\n' in out, out
     a_files = package_files(d/'models')
     rc,out,err = run([CLI, 'clean', d, '--fname', mine], 60)  # B's files alone
     assert rc == 0 and package_files(d/'models') == a_files and not list((d/'models').glob(f'{mine}*')), out + err
+
+def test_lr_edit_is_the_same_run(tmp_path):
+    """Issue 60: `Learner(lr=)` changed after a kill is the same script edited, not another run: it continues from the newest resume
+    point, the change named in one warning, as the same change in the fit call is"""
+    d,out = tmp_path/'run',tmp_path/'out.pth'
+    rc,_ = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, '--sched', 'two', '--sleep', '0.05')
+    assert rc == -signal.SIGKILL
+    t = ''.join(run_to_end(d, out, '--sched', 'two', '--lr', '3e-3'))
+    assert 'AutoResume: continuing' in t and 'other hyperparameters' in t and "another run's" not in t, t[-3000:]
 
 @pytest.mark.parametrize('per_call', [False, True])
 def test_cached_stage_whose_branch_sets_lr(tmp_path, per_call):

@@ -31,19 +31,29 @@ def killed(forker, tmp_path, shape, sig=signal.SIGKILL, **kw):
     (tmp_path/'run').mkdir(exist_ok=True)
     return run_until(forker, SCRIPT, [tmp_path/'out.pth', '--shape', shape], sig=sig, env=SLOW, cwd=tmp_path/'run', **kw)
 
-def finish(forker, tmp_path, shape, ref):
-    "Rerun the stopped shape to its end: the uninterrupted run's bits; once more: nothing trained, nothing written"
+def in_order(trained, ref)->bool:
+    "Are the batches `trained` some of `ref`'s, in its order, up to its last? (Each call that raised is continued up to its error again)"
+    it = iter(ref)
+    return bool(trained) and trained[-1] == ref[-1] and all(b in it for b in trained)
+
+def finish(forker, tmp_path, shape, ref, ref_file=None,
+           raised:bool=False): # its calls end in errors: a rerun of the finished run continues each up to its error again
+    "Rerun the stopped shape to its end: the uninterrupted run's bits (`ref_file`'s); once more: nothing trained, nothing written"
+    ref_file = ref_file or tmp_path/'ref.pth'
     lines = run_to_end(forker, SCRIPT, [tmp_path/'out.pth', '--shape', shape], cwd=tmp_path/'run')
     trained = batches(lines)
-    assert trained and trained == ref[len(ref)-len(trained):], f"the rerun trained {trained[:3]}..., not the run's rest"
-    d = compare(tmp_path/'ref.pth', tmp_path/'out.pth', keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters'))
+    if raised: assert in_order(trained, ref), f"the rerun trained {trained[:3]}..., not batches of the run, in order"
+    else: assert trained and trained == ref[len(ref)-len(trained):], f"the rerun trained {trained[:3]}..., not the run's rest"
+    d = compare(ref_file, tmp_path/'out.pth', keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters'))
     assert not d, f"{len(d)} differences from the uninterrupted run, first:\n" + '\n'.join(d[:10])
     before = snapshot(tmp_path/'run')
     again = run_to_end(forker, SCRIPT, [tmp_path/'out.pth', '--shape', shape], cwd=tmp_path/'run')
-    assert not batches(again), f"a rerun of the finished run trained {len(batches(again))} batches"
-    after = snapshot(tmp_path/'run')
-    assert before == after, f"a rerun of the finished run changed files: {set(before.items()) ^ set(after.items())}"
-    d = compare(tmp_path/'ref.pth', tmp_path/'out.pth', keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters'))
+    if raised: assert in_order(batches(again), ref)
+    else:
+        assert not batches(again), f"a rerun of the finished run trained {len(batches(again))} batches"
+        after = snapshot(tmp_path/'run')
+        assert before == after, f"a rerun of the finished run changed files: {set(before.items()) ^ set(after.items())}"
+    d = compare(ref_file, tmp_path/'out.pth', keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters'))
     assert not d, f"the rerun of the finished run left other bits: {d[:5]}"
     return lines
 
@@ -76,37 +86,54 @@ def test_sigterm_in_validation(forker, stock, tmp_path):
     assert rc == 128 + signal.SIGTERM and 'Traceback' not in text, text[-3000:]  # stopped, quietly (`verbose=False`)
     finish(forker, tmp_path, 'one-batch', ref)
 
+def never_met(forker, stock, tmp_path, shape):
+    "The shape's uninterrupted run that never meets its transient error (`NO_ERROR`), with `AutoResume` and stock: the same bits"
+    (tmp_path/'never').mkdir()
+    ref = stock_reference(forker, stock, tmp_path/'never', SCRIPT, ['--shape', shape], env={'NO_ERROR': '1'})
+    assert len(ref) == 36, f"{len(ref)} batches"
+    return ref,tmp_path/'never'/'ref.pth'
+
 @pytest.mark.parametrize('after', [2, 20])
 def test_retry_as_stock(forker, stock, tmp_path, after):
-    """A fit call that raised, caught and called again in the same process, restarts as stock fastai restarts it; killed
-    inside the retry (before its first resume point, or after), the rerun raises the error again where the run met it (it does
-    not come back: `Flaky` raises once in a folder), so that the script retries, and ends with the same bits"""
+    """An error is a kill (issue 60). A fit call that raised, caught and called again in the same process, restarts as stock fastai
+    restarts it; killed inside the retry (before its first resume point, or after), the rerun continues the call that raised from its
+    newest resume point: the error does not come back (`Flaky` raises once in a folder), the script's `except` is not taken, and the
+    run ends as an uninterrupted run that never met the error, bit for bit"""
     ref = reference(forker, stock, tmp_path, 'retry')
     assert len(ref) == 14 + 36, f"{len(ref)} batches: the retry did not restart the call"
+    never,never_file = never_met(forker, stock, tmp_path, 'retry')
     rc,lines = killed(forker, tmp_path, 'retry', stop_after=14+after)
     assert rc == -signal.SIGKILL and 'RAISED' in ''.join(lines), ''.join(lines[-30:])
-    assert 'RAISED' in ''.join(finish(forker, tmp_path, 'retry', ref)), "the rerun did not take the script's `except`"
+    text = ''.join(finish(forker, tmp_path, 'retry', never, never_file))
+    assert 'RAISED' not in text, text[-3000:]
 
 def test_fallback_as_stock(forker, stock, tmp_path):
-    """Another fit call in place of the one that raised runs as stock runs it; killed inside it, the rerun raises the error again,
-    the script falls back again, and the run ends with the uninterrupted run's bits"""
+    """Another fit call in place of the one that raised runs as stock runs it; killed inside it, the rerun continues the call that
+    raised, which this time meets no error: the run ends as one that never met it, bit for bit"""
     ref = reference(forker, stock, tmp_path, 'fallback')
     assert len(ref) == 14 + 18, f"{len(ref)} batches"
+    never,never_file = never_met(forker, stock, tmp_path, 'fallback')
     rc,lines = killed(forker, tmp_path, 'fallback', stop_after=14+5)
     assert rc == -signal.SIGKILL, ''.join(lines[-30:])
-    assert 'RAISED' in ''.join(finish(forker, tmp_path, 'fallback', ref)), "the rerun did not take the script's `except`"
+    assert 'RAISED' not in ''.join(finish(forker, tmp_path, 'fallback', never, never_file))
+
+def test_error_exit_requeued(forker, stock, tmp_path):
+    """Issue 60's first row: a transient error caught by a script that exits 1 (`sys.exit(1)`, as scheduler jobs do), then the job
+    requeued: the rerun continues from the newest resume point and ends as a run that never met the error, exit 0"""
+    never,never_file = never_met(forker, stock, tmp_path, 'exit')
+    rc,lines = killed(forker, tmp_path, 'exit', stop_after=10**6)
+    assert rc == 1 and 'RAISED' in ''.join(lines), (rc, ''.join(lines[-30:]))
+    finish(forker, tmp_path, 'exit', never, never_file)
 
 def test_every_attempt_fails(forker, stock, tmp_path):
     """Every attempt raises (a bug no retry gets past), and the script gives up after 3: stock-equal; killed in the third, the
-    rerun raises the first two errors again and continues the third; a rerun of the finished run trains nothing"""
+    rerun meets the first two errors again at the same batch (each call continued from its newest resume point) and continues the
+    third. An error is a kill: a rerun of the finished run continues each call up to its error again, and ends with the same bits"""
     ref = reference(forker, stock, tmp_path, 'retry-fails')
     assert len(ref) == 3*14, f"{len(ref)} batches"
     rc,lines = killed(forker, tmp_path, 'retry-fails', stop_after=2*14+5)
     assert rc == -signal.SIGKILL, ''.join(lines[-30:])
-    assert ''.join(finish(forker, tmp_path, 'retry-fails', ref)).count('RAISED') == 3
-    from resumable_train.cli import checkpoint_info, _where  # `ls` tells the three ends from a finished run's
-    ends = [_where(checkpoint_info(f)) for f in sorted((tmp_path/'run'/'models').glob('autoresume-*.pth'))]
-    assert sum('fit call ended by RuntimeError in epoch 2/4' in e for e in ends) == 3, ends
+    assert ''.join(finish(forker, tmp_path, 'retry-fails', ref, raised=True)).count('RAISED') == 3
 
 def test_all_points_damaged(forker, tmp_path):
     """Every resume point of a killed run damaged: a refusal before training that names each file and its damage and how to start
