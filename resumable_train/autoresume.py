@@ -55,7 +55,8 @@ def _set_learn(self, learn):
     if learn is not None and look not in learn.cbs: learn.add_cb(look)
     # the run's identity, where `after_create` did not take it (a Learner made before the package was imported)
     if learn is not None: run_identity()
-    # under `resumable-train check`, what the Learner writes before its first fit call too (`learn.export` as it is made)
+    # under `resumable-train check`, what the Learner writes before its first fit call too (`learn.export` as it is
+    # made)
     if learn is not None and (c := checking()) is not None: c.confine(learn)
 
 def _from_rank0(o):
@@ -121,6 +122,34 @@ def _check_args(keep, fname):
                          f"({name}-0001.pth, ...), so it holds no folder; give the folder as dir: "
                          f"AutoResume(fname={name!r}, dir={str(folder)!r})")
 
+class _Watch:
+    "The user's callbacks that keep no state, watched while training: resume points lose a change of their attributes"
+    def __init__(self, learn, mine=()): # `AutoResume`'s own callbacks
+        self.watched = [(cb, _watched_vars(cb)) for cb in learn.cbs if _user_callback(cb) and cb not in mine]
+
+    def check(self, check=None): # `resumable-train check`'s `CheckRun`, told too
+        "Warn once for each callback of the user's whose attributes changed while training but that keeps no state"
+        for cb,then in self.watched:
+            if qualname(type(cb)) in _warned: continue
+            now = _watched_vars(cb)
+            changed = [a for a in then if a in now and not _same_value(then[a], now[a])]
+            if not changed: continue
+            _warned.add(qualname(type(cb)))  # once a process
+            msg = (f"AutoResume: callback {type(cb).__name__} changed its attributes {', '.join(changed)} while "
+                   "training, but has no state_dict: resume points do not keep them, so a resumed run may end "
+                   f"elsewhere. Give {type(cb).__name__} state_dict() and load_state_dict() (or register_state)")
+            if check is not None: check.say('unkept', text=msg)  # for `check`, whatever the warning filters
+            warnings.warn(msg, stacklevel=user_stacklevel())
+
+
+def _worker_streams(learn):
+    ("The `WorkerStreams` added for this fit call when the training DataLoader has workers and the Learner has neither "
+     "it nor `SeedBatches`; `None` where none is added")
+    if not keepable(learn.dls.train) or any(isinstance(cb, (WorkerStreams, SeedBatches)) for cb in learn.cbs):
+        return None
+    learn.add_cb(ws := WorkerStreams())
+    return ws
+
 class AutoResume(LeanCallback):
     "Write atomic, durable resume points while training; continue from the newest valid one when the script runs again"
     order = 95  # after every callback whose state it saves: `Recorder` (50), schedulers (60), trackers (61-63)
@@ -160,7 +189,7 @@ class AutoResume(LeanCallback):
         # what this fit call writes: its store is known once it has looked (`FitStart`)
         self.points = RunPoints(None, self.fname, self.keep, self.writer, self.background)
         self.added,self.due,self.start = None,False,None  # `WorkerStreams` added; a write due; `FitStart`
-        self.watched,self.stop_note = [],''
+        self.watch,self.stop_note = None,''  # `_Watch`
 
     # `learn.export` pickles the callbacks: the run, the handlers and the run log stay with this process
     def __getstate__(self):
@@ -173,12 +202,6 @@ class AutoResume(LeanCallback):
 
     @property
     def fit_index(self)->int: return self.run_state.index if self.run_state else 0  # the running (or last) fit call
-    @property
-    def fits(self)->list: return self.run_state.fits if self.run_state else []  # the setup of each fit call
-    @property
-    def ends(self)->list: return self.run_state.ends if self.run_state else []  # the end state of each completed call
-    @ends.setter
-    def ends(self, v): self.run_state.ends = v
     @property
     def stopped(self)->bool: return bool(self.stop_signals.signum)  # the last fit call was stopped by a signal
     @property
@@ -227,7 +250,7 @@ class AutoResume(LeanCallback):
             file,rec = self.decision[1:3]
             # the previous call's end, before any other callback starts this one, as if this process had made it
             if self.decision[0] == 'after':
-                self.start.load_end(self.store.where(self.ends[-1]), self.fit_index-1, after=True)
+                self.start.load_end(self.store.where(self.run_state.ends[-1]), self.fit_index-1, after=True)
             done = self.decision[0] == 'skip'
             continue_trackers(self.learn, rec, self.fit_index, done)  # see `trackers`
             if done: hide_progress(self.learn)
@@ -258,18 +281,17 @@ class AutoResume(LeanCallback):
             kind,file,rec,state = self.decision
             if kind == 'skip': self.start.skip(file, rec); self._to('skipping'); return
             if kind == 'after': self._say(f"AutoResume: fit call {self.fit_index} finished in an earlier run; its end "
-                                          f"state is loaded from {self.store.where(self.ends[-1])}")
+                                          f"state is loaded from {self.store.where(self.run_state.ends[-1])}")
             if kind == 'continue': self.resumed_iter,self.resumed_from = self.start.continue_from(file, rec, state)
-            self._add_worker_streams()
+            self.added = _worker_streams(self.learn)
             self._to('training')
             self.last_save = time.monotonic()
             if (c := checking()) is not None:
                 c.begin(self.fit_index, self.n_epoch, len(self.dls.train), self.run_fname, self.resumed_iter)
             fresh = kind == 'start' and self.fit_index == 0 and file is None  # a new run's story
-            self.runlog.begin(self.fit_index, (self.n_epoch, self.fits[-1].get('n_iter')), self.resumed_from,
+            self.runlog.begin(self.fit_index, (self.n_epoch, self.run_state.fits[-1].get('n_iter')), self.resumed_from,
                               fresh=fresh, run=self.run_state.identity)
-            mine = (self, self._look_cb)
-            self.watched = [(cb, _watched_vars(cb)) for cb in self.learn.cbs if _user_callback(cb) and cb not in mine]
+            self.watch = _Watch(self.learn, (self, self._look_cb))
             self.stop_signals.install()
             self.worker_signals = WorkerSignals(self.stop_signals.old)  # the signals handled here, not in workers
             self.worker_signals.start(self.dls.loaders, train_loader(self.learn))
@@ -355,35 +377,21 @@ class AutoResume(LeanCallback):
         "Write a resume point at this moment of training; the name it is written as (`None`: not written)"
         self.due = periodic and self.background and bool(agree(self.writer.busy))
         if self.due: return  # the previous one is still being written: this one is taken at a batch after it
-        self._check_watched()
+        if self.watch is not None: self.watch.check(self.check)
         name = self.points.name()
-        ends = self.ends[:self.fit_index] + ([name] if end else [])
         rs = self.run_state
+        ends = rs.ends[:self.fit_index] + ([name] if end else [])
         # at the end, the weights the next call would start from: a rerun that loads them from a cache makes that call
         starts = rs.starts[:self.fit_index+1] + ([start_digest(self.learn)] if end else [])
         modes = [m.training for m in self.learn.model.modules()]  # a fit leaves its model in eval mode after validation
         extra = dict(fit_index=self.fit_index, fits=rs.fits, ends=ends, starts=starts, run_id=rs.identity,
                      **({'last_epoch': self.learn.resume.epoch, 'train_modes': modes} if end else {}))
-        if end: self.ends = ends
+        if end: rs.ends = ends
         if not self.points.ready(stopping): return
         ck,start = make_point(self.learn, self.points.store, name, log=self.log, extra=extra)
         self.points.write(ck, name, start, stopping)
         self.last_save = time.monotonic()  # on every rank: each decides when the next is due (`agree`)
         return name
-
-    def _check_watched(self):
-        "Warn once for each callback of the user's whose attributes changed while training but that keeps no state"
-        for cb,then in self.watched:
-            if qualname(type(cb)) in _warned: continue
-            now = _watched_vars(cb)
-            changed = [a for a in then if a in now and not _same_value(then[a], now[a])]
-            if not changed: continue
-            _warned.add(qualname(type(cb)))  # once a process
-            msg = (f"AutoResume: callback {type(cb).__name__} changed its attributes {', '.join(changed)} while "
-                   "training, but has no state_dict: resume points do not keep them, so a resumed run may end "
-                   f"elsewhere. Give {type(cb).__name__} state_dict() and load_state_dict() (or register_state)")
-            if self.check is not None: self.check.say('unkept', text=msg)  # for `check`, whatever the warning filters
-            warnings.warn(msg, stacklevel=user_stacklevel())
 
     # ---- stopping
     def _stop(self, signum):
@@ -425,14 +433,6 @@ class AutoResume(LeanCallback):
     def _hold_signals(self, on:bool=True):
         "From the start of a phase, when its loader forks workers, to its first batch: see `WorkerSignals`"
         if self.state == 'training' and self.worker_signals is not None: self.worker_signals.hold(on)
-
-    def _add_worker_streams(self):
-        ("Add `WorkerStreams` for this fit call when the training DataLoader has workers and the Learner has neither "
-         "it nor `SeedBatches`")
-        if not keepable(self.dls.train) or any(isinstance(cb, (WorkerStreams, SeedBatches)) for cb in self.learn.cbs):
-            return
-        self.added = WorkerStreams()
-        self.learn.add_cb(self.added)
 
     def _cleanup(self):
         "Back to 'idle' from any state: handlers and patches put back, what this fit call added removed"

@@ -119,7 +119,8 @@ class RankGate:
 class DDPTrainer(RankGate, Callback):
     "Train with `DistributedDataParallel` under `torchrun`: sharded data, output and files on rank 0, joint stops"
     order = 11
-    outer = True  # it sees the fit call's own events alone: a call inside an event evaluates on this rank, as outside fit
+    # it sees the fit call's own events alone: a call inside an event evaluates on this rank, as outside fit
+    outer = True
     # `learn.distributed_trainer`, and the key of its state in resume points, as up to 0.2.0
     name = 'distributed_trainer'
     def __init__(self, timeout:float=600, # seconds a rank waits for the others before it fails with an error
@@ -140,7 +141,8 @@ def _call(self:RankGate, event_name):
     "Run the event on this rank's callbacks; hold back stops until all ranks take them together"
     if self.learn.resume.depth:  # a call inside an event: not the fit call's
         try: return self.dispatch(event_name)
-        finally:  # its `after_fit` sets every callback's `run` back (fastai's `Callback.__call__`): rank-0 ones stay off
+        # its `after_fit` sets every callback's `run` back (fastai's `Callback.__call__`): rank-0 ones stay off
+        finally:
             if event_name == 'after_fit': self._silence()
     self._restore_rank_rng()
     try:

@@ -62,15 +62,17 @@ def data_digest(dl, n:int=8)->str|None:
 _ACTS = ('before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step', 'after_step')
 
 def _cb_settings(cb)->str:
-    "A callback's class and the arguments it was made with, where it keeps them (`store_attr`): `GradientClip(max_norm=1.0)`"
+    "A callback's class and the arguments it keeps (`store_attr`): `GradientClip(max_norm=1.0, norm_type=2.0)`"
     ps = [p for p in inspect.signature(type(cb).__init__).parameters if p in vars(cb)]
-    v = lambda x: repr(x) if isinstance(x, (bool, int, float, str, type(None))) else _settings(x, 0)
+    num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # `timeout=20` is `timeout=20.0`
+    v = lambda x: repr(float(x)) if num(x) else repr(x) if isinstance(x, (bool, str, type(None))) else _settings(x, 0)
     return f"{type(cb).__name__}({', '.join(f'{p}={v(getattr(cb, p))}' for p in ps)})"
 
 def acting_callbacks(learn)->list:
-    "The callbacks that act on training (`_ACTS`), with their settings; not the package's, nor the schedule (the plan's)"
-    return [_cb_settings(cb) for cb in learn.cbs if any(hasattr(type(cb), e) for e in _ACTS)
-            and not isinstance(cb, LeanCallback) and not is_a(cb, 'fastai.callback.schedule.ParamScheduler')]
+    "The callbacks that act on training (`_ACTS`), with their settings; not the package's, nor the schedule (a plan's)"
+    mine = lambda cb: isinstance(cb, LeanCallback) or type(cb).__module__.startswith('resumable_train.')
+    return [_cb_settings(cb) for cb in learn.cbs if any(hasattr(type(cb), e) for e in _ACTS) and not mine(cb)
+            and not is_a(cb, 'fastai.callback.schedule.ParamScheduler')]
 
 def run_setup(learn, n_epoch:int,
               start:bool=False, # as a fit call starts: with the parameters it trains (those `freeze` leaves)
@@ -281,7 +283,7 @@ def run_at(where:str)->RunState:
     return _run_states.setdefault((url, fname), RunState(where))
 
 def left_unfinished(run:RunState, point:str|None):
-    "The running call ended here before its end (an error, a stop): over in this process, its newest `point` in the journal"
+    "The running call ended before its end (an error, a stop): over in this process, its newest `point` in the journal"
     run.ends,run.done = (run.ends + [None]*run.index)[:run.index] + [point],run.index+1
 
 def run_state(store, fname:str)->RunState: return run_at(f"{_url(store)}/{fname}")  # the run `fname` in `store`

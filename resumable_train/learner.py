@@ -97,7 +97,8 @@ def _run_of(learn, mark:dict|None=None):
     if learn.resume.run is not None: return learn.resume.run
     ar = autoresume_in(learn)
     if ar is not None: return ar.current_run()
-    # only a stage of a run that gave `AutoResume` to each fit call: the same script without `AutoResume` loads as fastai
+    # only a stage of a run that gave `AutoResume` to each fit call: the same script without `AutoResume` loads as
+    # fastai
     where = mark.get('where') if isinstance(mark, dict) and mark.get('per_call') else None
     return run_at(where) if isinstance(where, str) else None
 

@@ -42,7 +42,8 @@ def _finished(rec, i:int)->bool:
 _MORE = ("; to train on from where it ended, keep this fit call as it was and add another fit call after it "
          "(the finished one is loaded, not trained again)")
 
-_DATA_KEYS = ('n_iter', 'bs', 'workers', 'item_tfms', 'batch_tfms', 'n_items', 'data')  # what a run's DataLoaders decide
+# what a run's DataLoaders decide
+_DATA_KEYS = ('n_iter', 'bs', 'workers', 'item_tfms', 'batch_tfms', 'n_items', 'data')
 
 def _setup_refusal(rec, i:int, diff:list)->str:
     "Why fit call `i` cannot continue the run of `rec`, whose setup of that call differs by `diff`, and what to do"
@@ -105,7 +106,8 @@ class FitStart:
             if 0 < i == n: return ('start', file, rec, None)  # this process made it (a retry after an error, too)
             if (f, rec['epoch'] is None) != (i-1, True):
                 raise self.refusal(f"AutoResume: the newest resume point in {self.folder} is at {record_text(rec)}, "
-                                   f"but this process has already finished fit call {i}: the files changed while it ran")
+                                   f"but this process has already finished fit call {i}: the files changed while it "
+                                   "ran")
             rs.ends = list(rec.get('ends', [])[:i])
             return ('after' if i > n else 'start', file, rec, None)  # 'after': this process did not make call i-1
         skip = _WORLD_KEYS if self.elastic else ()
@@ -140,7 +142,7 @@ class FitStart:
         "The checkpoint `file` that the journal names for fit call `i`, from a node that holds it"
         try: return file,read_on_rank0(file, holder_rank(self.store, file_name(file), self.src))
         except CheckpointError as e:
-            raise self.refusal(f"AutoResume: the run's journal names {file} for fit call {i+1}, but it cannot be "
+            raise self.refusal(f"AutoResume: fit call {i+1} is in the run's journal, but the file it names cannot be "
                                f"loaded: {e}") from e
 
     def skip(self, file, rec):

@@ -17,7 +17,7 @@ def _forker(forker):
 
 def run_until(d, out, pred, sig, *args, timeout=90, script=SCRIPT):
     "Run `script` in folder `d` until an output line satisfies `pred`, then send `sig` (none if `None`); return (rc, lines)"
-    return kr.run_until(FORKER, script, ['--dir', d, '--out', out, *args], sig=sig, until=pred, timeout=timeout)
+    return kr.run_until(FORKER, script, ['--dir', d, '--out', out, *args], sig=sig, until=pred, timeout=timeout, env=OTHER)
 
 def run_to_end(d, out, *args, script=SCRIPT):
     "Run `script` to its end; return its output lines"
@@ -124,7 +124,8 @@ def own_files(lines)->str:
     assert said, ''.join(lines)[-2000:]
     return re.search(r'keeps its own as (\S+)-\*\.pth', said[0]).group(1)
 
-def other_script(tmp_path)->str: return str(TESTS/'train_b.py')  # script B: A's code under another script name
+def other_script(tmp_path)->str: return str(TESTS/'another_script.py')  # script B: A's code under another script name
+OTHER = {'RT_SCRIPT': 'autoresume_script.py'}  # what `another_script.py` runs
 
 def test_second_script_in_the_folder(stock, tmp_path):
     """Issue 49: script B (another script name; another lr, another schedule) loads script A's file in A's folder, both with AutoResume: B is its own run,
@@ -134,7 +135,7 @@ def test_second_script_in_the_folder(stock, tmp_path):
     b,B = ('--lr', '3e-3', '--sched', 'two', '--load', 'pretrained'),other_script(tmp_path)
     for f in (d, tmp_path/'ref'): run_to_end(f, a_out, '--save', 'pretrained')  # script A, in both folders
     a_files = package_files(d/'models')
-    rc,o = stock.run(B, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90)
+    rc,o = stock.run(B, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90, env=OTHER)
     assert rc == 0, o[-3000:]
     rc,lines = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, *b, '--sleep', '0.05',
                          script=B)
@@ -159,7 +160,7 @@ def test_killed_script_then_another(refs, stock, tmp_path):
     files of its own, and leaves A's byte for byte; A run again continues exactly, as the uninterrupted A; B run again trains nothing"""
     d,a_out,b_out,ref = tmp_path/'run',tmp_path/'a.pth',tmp_path/'b.pth',tmp_path/'ref.pth'
     b,B = ('--lr', '3e-3', '--tag', 'b'),other_script(tmp_path)
-    rc,o = stock.run(B, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90)
+    rc,o = stock.run(B, '--dir', tmp_path/'ref', '--out', ref, *b, '--no-resume', timeout=90, env=OTHER)
     assert rc == 0, o[-3000:]
     rc,_ = run_until(d, a_out, lambda l: l.startswith('BATCH') and l.split()[1:3] == ['1', '1'], signal.SIGKILL, '--sched', 'two',
                      '--sleep', '0.05')
@@ -180,7 +181,7 @@ def test_killed_script_then_another(refs, stock, tmp_path):
     assert list((d/'models').glob(f'{mine}-*.pth')) and (d/'models'/f'{mine}.runlog').exists(), "A left B's files"
     rc,out,err = run([CLI, 'ls', d], 60)  # both runs, each with its identity
     assert rc == 0 and 'run autoresume (autoresume.runlog):\n  run of script autoresume_script.py\n' in out, out + err
-    assert f'run {mine} ({mine}.runlog):\n  run of script train_b.py\n' in out, out
+    assert f'run {mine} ({mine}.runlog):\n  run of script another_script.py\n' in out, out
     a_files = package_files(d/'models')
     rc,out,err = run([CLI, 'clean', d, '--fname', mine], 60)  # B's files alone
     assert rc == 0 and package_files(d/'models') == a_files and not list((d/'models').glob(f'{mine}*')), out + err

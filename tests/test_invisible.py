@@ -7,6 +7,7 @@ Jobs `X_b` need the files of `X_a` and run in a second process of each side; the
 run alone on the package side, then twice more, as finished scripts run again: those reruns train nothing and end as stock did.
 """
 import subprocess, time
+from pathlib import Path
 import pytest, torch
 from helpers import TESTS, load_result, package_files
 
@@ -16,6 +17,7 @@ TIMEOUT = 120  # seconds, for each process
 FIRST = ['course', 'freezeload', 'foreign', 'wdchange', 'xproc_a', 'bestfile_a', 'strict', 'withoptnone', 'persistent', 'midsave',
          'export', 'startepoch_onecycle', 'startepoch_flatcos', 'lrfind', 'pair_a', 'failures', 'failures_ar']
 SECOND = ['xproc_b', 'bestfile_b', 'pair_b', 'pair_c', 'pair_d']  # in another process, after FIRST: they load files of the `_a` jobs
+OTHER = ['pair_b', 'pair_c', 'pair_d']  # of those, the jobs of another script in script A's folder: run under another name
 # the package side with AutoResume: run alone, then run again as finished scripts
 AUTORESUME = ['autoresume_smc', 'autoresume_ft', 'autoresume_course', 'autoresume_eafp', 'autoresume_strict']
 JOBS = FIRST + SECOND + AUTORESUME
@@ -51,8 +53,8 @@ def runs(tmp_path_factory, request):
     server = request.getfixturevalue('stock')
     stock = _start_stock(server, d/'stock', FIRST + AUTORESUME)
     forker = request.getfixturevalue('forker')
-    def package(*jobs):
-        p = forker.start(SCRIPT, d/'package', *jobs, env=ENV)
+    def package(*jobs, script=SCRIPT, env={}):
+        p = forker.start(script, d/'package', *jobs, env=dict(ENV, **env))
         try: log,_ = p.communicate(timeout=TIMEOUT)
         except subprocess.TimeoutExpired: log = f'[forked] killed after {TIMEOUT}s timeout'
         return _results(d/'package', jobs, p.returncode, log, 'the package side')
@@ -63,7 +65,9 @@ def runs(tmp_path_factory, request):
     res['stock'].update(_results(d/'stock', stock.jobs, *_finish_stock(stock), 'the stock side'))
     times['first'] = time.time()-t0
     stock = _start_stock(server, d/'stock', SECOND)
-    res['package'].update(package(*SECOND))
+    # scripts B, C and D: another script than A (the package tells runs apart by the script's name alone)
+    res['package'].update(package(*[j for j in SECOND if j not in OTHER]))
+    res['package'].update(package(*OTHER, script=str(TESTS/'another_script.py'), env={'RT_SCRIPT': Path(SCRIPT).name}))
     res['pair_files'].append(package_files(pair))
     res['pair_a_again'] = package('pair_a')['pair_a']  # A run again after them: it had finished
     res['pair_files'].append(package_files(pair))
@@ -164,7 +168,7 @@ def test_exception_table(runs):
         assert not diffs, f"{job}: " + '\n'.join(diffs)
 
 def test_first_script_again(runs):
-    """Issue 49: scripts B, C and D in script A's folder, each with `AutoResume()` (their own lr, wd or defaults) leave A's files byte for
+    """Issue 49: scripts B, C and D in script A's folder (another script's name), each with `AutoResume()` leave A's files byte for
     byte; A run again after them trains nothing, writes none of the package's files, and ends as stock's A"""
     first,after_bcd,after_a = runs['pair_files']
     assert first, "script A wrote its files"

@@ -83,13 +83,17 @@ def test_fresh_process_after_calls_in_another(forker, refs, tmp_path):
     assert "the last the run's files hold, and nothing is trained: a fit call after it trains on" in text(lines)
 
 def test_ctrl_c_then_same_fit_in_same_process(forker, refs, tmp_path):
-    "Ctrl-C in a fit call, then the same call again in the same process (a notebook cell re-run): continues exactly, no batch twice"
+    """Ctrl-C in a fit call, then the same call again in the same process (a notebook cell re-run): a new fit call, as in stock
+    fastai (issue 60: one rule); the kernel restarted (a new process) and the call made once: continues exactly, no batch twice"""
     ref,_,ref_batches = refs['plain']
     run = tmp_path/'run'; run.mkdir()
     lines = run_to_end(forker, SCRIPT, [tmp_path/'out.pth', '--sigint-at', 7], cwd=run)
     t = text(lines)
     assert 'INTERRUPTED' in t and 'AutoResume: stopped by SIGINT at epoch 2/2, batch 1/6' in t, t[-2000:]
-    assert [b[1:] for b in batches(lines)] == [b[1:] for b in ref_batches], "the interrupted call and its continuation train each batch once"
+    trained = [b[1:] for b in batches(lines)]
+    assert trained == [b[1:] for b in ref_batches[:7]] + [b[1:] for b in ref_batches], "the cell run again trains its call anew"
+    lines = run_to_end(forker, SCRIPT, [tmp_path/'out.pth'], cwd=run)  # the kernel restarted
+    assert [b[1:] for b in batches(lines)] == [b[1:] for b in ref_batches[7:]], "the stopped call continues, each batch once"
     d = compare(ref, tmp_path/'out.pth')
     assert not d, '\n'.join(d[:10])
 
@@ -262,7 +266,7 @@ def test_missing_ledger_end_refused(forker, tmp_path):
     rc,lines = run_until(forker, SCRIPT, [out], cwd=run)
     t = text(lines)
     assert rc != 0 and batches(lines) == [], t[-2000:]
-    assert f'fit call 1 finished in an earlier run, but its end state cannot be loaded: models/{end0.name} does not exist' in t, t[-2000:]
+    assert f'fit call 1 is in the run\'s journal, but the file it names cannot be loaded: models/{end0.name} does not exist' in t, t[-2000:]
     assert 'To start fresh, run `resumable-train clean models --fname autoresume`' in t
 
 def refused_rerun(forker, run, out, *args)->str:
