@@ -36,6 +36,8 @@ def main():
     p.add_argument('--families', default=None,
                    help="comma-separated families to draw from, '' for none (default: the generator draws; see random_scripts.FAMILIES)")
     p.add_argument('--no-mixup', action='store_true', help='no MixUp (its crash on a skipped call hides the rest)')
+    p.add_argument('--edits', type=float, default=0., help='share of cases whose script is edited between the kills and the rerun '
+                                                           '(issue 60: random_scripts.EDITS, turn by turn)')
     p.add_argument('--out', default=str(ROOT/'benchmarks'/'results'))
     p.add_argument('--keep', default=None, help='where the folders of failed cases are kept (default: a temporary folder)')
     p.add_argument('--timeout', type=float, default=180, help='seconds one run of a script may take')
@@ -73,7 +75,8 @@ def main():
             # a family's first kill in its own windows, turn by turn
             if (fw := rs.family_windows(rs.make_script(seed, **force)[1])): windows[0] = fw[seed % len(fw)]
             folder = work/f'{seed}'
-            r = rs.run_case(forker, seed, folder, windows=windows, timeout=a.timeout, stock=stock, **force)
+            edit = rs.EDITS[seed % len(rs.EDITS)] if rng.random() < a.edits else None
+            r = rs.run_case(forker, seed, folder, windows=windows, timeout=a.timeout, stock=stock, edit=edit, **force)
             r['elapsed'] = time.monotonic() - t0
             if r['outcome'] == 'failed':
                 dest = keep/f'{seed}'
@@ -84,6 +87,7 @@ def main():
             cases.append(r)
             kills = ', '.join(f'{w}: {s}' for w,s in r['kills']) or '-'
             print(f"{r['outcome']:7} seed {seed:5} {r['cpu']:5.1f}s cpu | {r['desc'][:150]} | kills {kills}"
+                  + (f" | edit {edit}" if edit else '')
                   + (f"\n        {r['symptom']}" if r['symptom'] else ''), flush=True)
             seed += 1
     finally: shutil.rmtree(work, ignore_errors=True); stock.close()
@@ -112,13 +116,25 @@ def report(cases, a, wall, keep, heads=None):
             cc = collections.Counter(c['outcome'] for c in cs)
             lines.append(f"| {k} | {len(cs)} | {cc['passed']} | {cc['refused']} | {cc['failed']} |")
         lines.append('')
-    from random_scripts import SHAPES, WINDOWS, FAMILIES, FAMILY_WINDOWS
+    from random_scripts import SHAPES, WINDOWS, FAMILIES, FAMILY_WINDOWS, EDITS
     table('shape', lambda c: [c['info']['shape']] + ['MixUp'] * c['info']['mixup'], list(SHAPES) + ['MixUp'])
     fam = lambda c: (c['info'].get('family') or 'none').split()  # 'nested get_preds': in 'nested' and 'get_preds'
     table('family (issue 48: calls inside `after_epoch`, cancels, retries, streams)', lambda c: fam(c)[:1], ['none', *FAMILIES])
-    hows = (('nested', ('get_preds', 'validate', 'one_batch')), ('cancel', ('epoch', 'valid', 'step')), ('retry', ('loop', 'fallback-ValueError', 'fallback-RuntimeError')),
+    hows = (('nested', ('get_preds', 'validate', 'one_batch')), ('cancel', ('epoch', 'valid', 'step')),
+            ('retry', ('loop', 'fallback-ValueError', 'fallback-RuntimeError', 'raise', 'exit')),
             ('stream', ('kept-long', 'kept-short', 'replay-long', 'replay-short')))
     table('family, by what it does', lambda c: [' '.join(fam(c)[:2]).rstrip(':')], [f'{f} {h}' for f,hs in hows for h in hs])
+    # issue 60: an error is a kill, deterministic (it comes back) or transient (gone), by the script's reaction
+    table('error: reaction and kind', lambda c: [' '.join(fam(c)[1:3])] if fam(c)[0] == 'retry' else [],
+          [f'{h} {m}' for h in dict(hows)['retry'] for m in ('deterministic', 'transient')])
+    # issue 60: one rule for every edit between a kill and the rerun: refused naming it, or (a hyperparameter) named; passed when so
+    table('edit between the kill and the rerun (passed: refused or named as the rule says)', lambda c: [c.get('edit') or 'none'],
+          ['none', *EDITS])
+    edited = [c for c in cases if c.get('edit') and c['outcome'] == 'passed']
+    answers = collections.Counter((c['edit'], c['symptom'].split(': ')[1] if ': ' in c['symptom'] else '?') for c in edited)
+    lines.extend(["| edit | how it was answered | cases |", "|---|---|---|"])
+    lines.extend(f"| {e} | {how} | {n} |" for (e,how),n in sorted(answers.items()))
+    lines.append('')
     table('app', lambda c: [c['info']['app']], ['digits', 'text'])
     table('kill window (a case counts in each of its windows)', lambda c: [w for w,_ in c['kills']],
           list(WINDOWS) + [w for ws in FAMILY_WINDOWS.values() for w in ws])

@@ -28,7 +28,7 @@ fallback's start, before its first resume point), `retry` (the rest of it), `pas
 with `AutoResume(replay=True)`, whose stream draws apart from the training), kills it, reruns it to the end and once more, and
 says `passed`, `refused` (a rerun exited non-zero with a message, no Traceback, and trained no batch) or `failed`, with the symptom.
 """
-import hashlib, io, os, random, re, resource, signal, sys, time, textwrap
+import hashlib, io, os, random, re, resource, signal, sys, time
 from pathlib import Path
 import torch
 from torch.utils.data import IterableDataset
@@ -163,21 +163,22 @@ def _digest(model)->str:
     return hashlib.sha1(b''.join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
 
 class Flaky(Callback):
-    ("An error (a flaky disk, a lost connection): `exc` raised after training batch `at` of the fit call made on the script's "
-     "`line`, in the run's history once: where the run first got there, and in a rerun that continues the run from a point "
-     "before it, where the run is again (the same weights); not in a rerun that continues the retry")
-    def __init__(self, line, at, exc): self.line,self.at,self.exc = line,at,exc
+    ("An error (`exc`) after training batch `at` of the fit call made on the script's `line`, once in a process. `deterministic` (a "
+     "bug): it comes back wherever the run is again with the same weights, a rerun that continues the run from a point before it "
+     "too (not the retry, at the same batch with other weights); `transient` (a lost connection): once in the run's folder; never "
+     "with `RS_NO_ERROR` (the run that never met it). `RAISE` names the weights' digest there")
+    def __init__(self, line, at, exc, mode='deterministic'): self.line,self.at,self.exc,self.mode = line,at,exc,mode
     def after_batch(self):
         cid = getattr(self.learn, '_rs_call', None)
         if not (self.training and getattr(self.learn, '_rs_fitting', False) and self.train_iter == self.at): return
-        if cid.split('.')[0] != str(self.line) or _state().get('raised'): return
+        if cid.split('.')[0] != str(self.line) or _state().get('raised') or os.environ.get('RS_NO_ERROR'): return
         f,digest = Path(RAISED),_digest(self.learn.model)
         if f.exists():
-            if f.read_text().split()[1] != digest: return  # the retry, at the same batch
+            if self.mode == 'transient' or f.read_text().split()[1] != digest: return  # gone, or the retry at the same batch
         else: f.write_text(f'{self.line} {digest}')
         _P['raised'],self.learn._rs_fitting = True,False  # the call ends here: fastai sends no `after_fit`
-        _say('RAISE', cid, self.epoch, self.iter)
-        raise self.exc('transient')
+        _say('RAISE', cid, self.epoch, self.iter, digest[:16])
+        raise self.exc(self.mode)
 
 class ReplayStream(IterableDataset):
     ("The digits `items` as a stream whose `__len__` is `hint`, not what an epoch holds (issue 48); each epoch's order drawn "
@@ -328,23 +329,31 @@ def _family(seed, family, mixup:bool, app:str, shape:str)->dict:
     elif family: raise ValueError(f"no family {family!r} in {FAMILIES}")
     return out
 
+REACTIONS = ('loop', 'fallback', 'raise', 'exit')  # how the script takes the error (issue 60)
+
 def _retry(rng, app, shape)->dict:
-    ("A fit call that meets a transient error (`Flaky`), then the same call again in a loop, or another in its place (caught as a "
-     "`ValueError`, as the package's refusals are too, or a `RuntimeError`); `Flaky`'s line (`LINE`) is set once the script is "
-     "written")
-    how,kind,n = rng.choice(['loop', 'fallback']),rng.choice(['fit', 'fit_one_cycle', 'fit_flat_cos']),rng.choice([1, 2])
+    ("A fit call that meets an error (`Flaky`, deterministic or transient), and the script's reaction: the same call again in a "
+     "loop, another in its place (caught as a `ValueError`, as the package's refusals are too, or a `RuntimeError`), `raise` "
+     "(the process dies of it) or `sys.exit(1)` (a scheduler job; the rerun is the job requeued); `Flaky`'s line (`LINE`) is set "
+     "once the script is written")
+    how,kind,n = rng.choice(REACTIONS),rng.choice(['fit', 'fit_one_cycle', 'fit_flat_cos']),rng.choice([1, 2])
+    mode = rng.choice(['deterministic', 'transient'])
     n = n if app == 'digits' else 1
     at,per_call = rng.randint(1, 8*n - 1),', cbs=autoresume()' * (shape == 'per_call')
     call = f"learn.{kind}({n}{rng.choice(['', ', 1e-2', ', 3e-3'])}{per_call})"
     if how == 'loop':
-        body = ["for attempt in range(3):  # a transient error: the same call again", "    try:", f"        {call}",
+        body = ["for attempt in range(3):  # the same call again", "    try:", f"        {call}",
                 "        break", "    except RuntimeError: print('RETRY', attempt, flush=True)"]
         exc,line = 'RuntimeError',body[2]
-    else:
+    elif how == 'fallback':
         other,exc = f"learn.{rng.choice(['fit_one_cycle', 'fit'])}(1, 1e-3{per_call})",rng.choice(['ValueError', 'RuntimeError'])
         body,line,how = [f"try: {call}", f"except {exc}: {other}  # another call in its place"],f"try: {call}",f'{how}-{exc}'
-    return dict(cbs=f" + [Flaky(LINE, {at}, {exc})]", body=body, line=line,
-                desc=f"retry {how} {call.replace(per_call, '')}, raise after batch {at}")
+    else:
+        end = 'raise' if how == 'raise' else 'sys.exit(1)  # the job fails; the scheduler requeues it'
+        exc,body = 'RuntimeError',[f"try: {call}", f"except RuntimeError: print('FAILED', flush=True); {end}"]
+        line = body[0]
+    return dict(cbs=f" + [Flaky(LINE, {at}, {exc}, {mode!r})]", body=body, line=line,
+                desc=f"retry {how} {mode} {call.replace(per_call, '')}, raise after batch {at}")
 
 def make_script(seed, app=None, shape=None, every_iter=_NONE, background=None, mixup=None, family=None)->tuple:
     "The text of a random script from `seed`, and a dict describing it; the arguments given force what they name"
@@ -410,6 +419,31 @@ def describe(info)->str:
     opts = [info['app'], info['shape'], f"every_iter={info['every_iter']}"] + ['background'] * info['background'] + \
            ['MixUp'] * info['mixup'] + [info['family']] * bool(info.get('family'))
     return f"{', '.join(opts)}: {info['calls']}"
+
+# ---------------------------------------------------------------- edits between a kill and the rerun (issue 60)
+EDITS = ('data', 'callback-learner', 'callback-fit', 'metric', 'epochs', 'wd-learner', 'wd-fit')
+# what a refusal of each edit names (other data of the same size: `data`; a text corpus drawn anew may change sizes too)
+REFUSED = {'data': ('data:', 'n_items', 'n_iter', 'n_params'), 'callback-learner': ('callbacks:',), 'callback-fit': ('callbacks:',),
+           'metric': ('metrics:',), 'epochs': ('n_epoch',)}
+_FIT = re.compile(r'(learn2?\.(?:fit|fit_one_cycle|fit_flat_cos|fine_tune)\()(\d+)([^\n]*)\)')
+
+def edit_script(text:str, kind:str)->str:
+    ("Script `text` edited as a user edits it between a kill and the rerun: `kind` one of `EDITS`: other data of the same size, "
+     "`GradientClip` added to the Learner or to the first fit call, a metric added, the first call's epochs, weight decay set in "
+     "the Learner or in the first fit call")
+    head,rest = text.split('\n', 1)  # the docstring names the calls too
+    def first_fit(f): return _FIT.sub(lambda m: f(m), rest, count=1)
+    def add(arg): return lambda m: m[0][:-1] + f', {arg})'
+    new = {'data': lambda: rest.replace('x[:320]', 'x[1:321]').replace('y[:320]', 'y[1:321]').replace('RandomState(0)', 'RandomState(1)'),
+           'callback-learner': lambda: rest.replace('cbs=[Probe()]', 'cbs=[Probe(), GradientClip(0.5)]', 1),
+           'callback-fit': lambda: first_fit(lambda m: m[0].replace('cbs=autoresume()', 'cbs=autoresume()+[GradientClip(0.5)]')
+                                             if 'cbs=autoresume()' in m[0] else add('cbs=GradientClip(0.5)')(m)),
+           'metric': lambda: rest.replace('metrics=accuracy', 'metrics=[accuracy, error_rate]'),
+           'epochs': lambda: first_fit(lambda m: f'{m[1]}{int(m[2])+1}{m[3]})'),
+           'wd-learner': lambda: rest.replace('lr=1e-2,', 'lr=1e-2, wd=0.5,', 1),
+           'wd-fit': lambda: first_fit(add('wd=0.5'))}[kind]()
+    assert new != rest, f"the edit {kind} changed nothing"
+    return f'{head}\n{new}'
 
 # ---------------------------------------------------------------- kill windows
 WINDOWS = ('first', 'epoch_end', 'between', 'valid', 'end_write', 'mid')
@@ -543,27 +577,46 @@ def _ended(rc, lines, what):
     if (n := len(batches(lines))): raise Outcome('failed', f'{what}: exited {rc} after training {n} batches: {_last(lines)}')
     raise Outcome('refused', f'{what}: {_last(lines)}')
 
-def run_case(forker, seed, folder, windows=None, timeout=120, stock=None, kills=None, **force)->dict:
+def _in_order(trained, ref, to_end:bool=True)->bool:
+    ("Are the batches `trained` some of `ref`'s, in its order (`to_end`: up to its last)? A call that an error ended is continued "
+     "up to the error again")
+    it = iter(ref)
+    return bool(trained) and (trained[-1] == ref[-1] or not to_end) and all(b in it for b in trained)
+
+def _raises(lines)->list: return [e for e in parse(lines) if e[0] == 'RAISE']
+
+def run_case(forker, seed, folder, windows=None, timeout=120, stock=None, kills=None, edit=None, **force)->dict:
     """Generate script `seed`, run it uninterrupted (with `AutoResume`; with `stock`, a `forked.StockForker`, also as stock fastai in
     a process that never imports the package), kill it at one or two points,
     rerun it to the end and once more; return a dict: `outcome`, `symptom`, `kills`, `info`, `cpu` (children's CPU seconds).
-    `kills`: `(window, spec)` pairs to use instead of drawing them (to reproduce a case)"""
+    `kills`: `(window, spec)` pairs to use instead of drawing them (to reproduce a case). `edit` (one of `EDITS`): the script is
+    edited after the kills, and the rerun must refuse it naming the change, or continue naming it (weight decay), or end as before
+    (an edit the rerun does not reach). An error is a kill (issue 60): a deterministic one comes back where the run met it, a
+    transient one does not, and the run ends as the one that never met it (`RS_NO_ERROR`); a script that exits on it (`raise`,
+    `sys.exit(1)`) is a job, requeued: the rerun after a deterministic error fails there again, with the same weights"""
     folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
     text,info = make_script(seed, **force)
     script = folder/'script.py'
     script.write_text(text)
-    res = dict(seed=seed, info=info, desc=describe(info), kills=[], outcome=None, symptom='', runs=0, stock=None)
+    fam = (info.get('family') or '').split() + ['', '', '']
+    errs,job,transient = fam[0] == 'retry',fam[1] in ('raise', 'exit'),fam[2] == 'transient'
+    res = dict(seed=seed, info=info, desc=describe(info), kills=[], outcome=None, symptom='', runs=0, stock=None, edit=edit)
     cpu0,t0 = resource.getrusage(resource.RUSAGE_CHILDREN),time.monotonic()
     def run(name, cwd, out, *args, env=None):
         res['runs'] += 1
         rc,lines = _run(forker, str(script), [out, *args], cwd, env=env, timeout=timeout)
         (folder/f"{res['runs']}-{name.replace(' ', '')}.log").write_text(f"rc={rc} env={env}\n" + ''.join(lines))
         return rc,lines
+    failed = lambda rc,lines: job and rc == 1 and 'FAILED' in ''.join(lines)  # the job exited on its error
     try:
-        ref,out = folder/'ref.pth',folder/'out.pth'
+        ref,out,never = folder/'ref.pth',folder/'out.pth',folder/'never.pth'
         rc,ref_lines = run('reference', folder/'ref', ref)
-        if rc != 0: _ended(rc, ref_lines, 'the uninterrupted run')
+        if rc != 0 and not failed(rc, ref_lines): _ended(rc, ref_lines, 'the uninterrupted run')
         events,ref_b = parse(ref_lines),batches(ref_lines)
+        if errs and transient:  # the run that never met the error
+            rc,lines = run('never met', folder/'never', never, env={'RS_NO_ERROR': '1'})
+            if rc != 0: _ended(rc, lines, 'the run that never met the error')
+            never_b = batches(lines)
         if stock is not None:
             plain_out = folder/'plain.pth'
             (folder/'plain').mkdir()
@@ -571,21 +624,28 @@ def run_case(forker, seed, folder, windows=None, timeout=120, stock=None, kills=
             lines = out_text.splitlines(keepends=True)
             (folder/'stock.log').write_text(f"rc={rc}\n{out_text}")
             res['stock'] = 'differs'  # until it is seen equal
-            if rc != 0: raise Outcome('failed', f'stock fastai (--plain) exited {rc}: {_trace(lines) or _last(lines)}')
-            d = _diffs(plain_out, ref)
-            if batches(lines) != ref_b or _steps(plain_out) != _steps(ref):
-                raise Outcome('failed', f'uninterrupted run with AutoResume trained {len(ref_b)} batches ({_steps(ref)} steps), '
-                                        f'stock fastai {len(batches(lines))} ({_steps(plain_out)} steps)')
-            # `AutoResume(replay=True)` reads a stream under random streams of its own: not stock's draws, by design
-            apart = info['family'].startswith('stream replay')
-            if d and not apart: raise Outcome('failed', f'uninterrupted run with AutoResume differs from stock fastai: {d[0]}')
-            res['stock'] = 'apart' if apart else 'equal'
+            if job:  # stock's job fails there too, with the same weights
+                if rc != 1 or batches(lines) != ref_b or _raises(lines) != _raises(ref_lines):
+                    raise Outcome('failed', f'stock fastai (--plain) exited {rc} after {len(batches(lines))} batches, raising '
+                                            f'{_raises(lines)}; with AutoResume {len(ref_b)} batches, raising {_raises(ref_lines)}')
+            else:
+                if rc != 0: raise Outcome('failed', f'stock fastai (--plain) exited {rc}: {_trace(lines) or _last(lines)}')
+                d = _diffs(plain_out, ref)
+                if batches(lines) != ref_b or _steps(plain_out) != _steps(ref):
+                    raise Outcome('failed', f'uninterrupted run with AutoResume trained {len(ref_b)} batches ({_steps(ref)} steps), '
+                                            f'stock fastai {len(batches(lines))} ({_steps(plain_out)} steps)')
+                # `AutoResume(replay=True)` reads a stream under random streams of its own: not stock's draws, by design
+                apart = info['family'].startswith('stream replay')
+                if d and not apart: raise Outcome('failed', f'uninterrupted run with AutoResume differs from stock fastai: {d[0]}')
+                res['stock'] = 'apart' if apart else 'equal'
+            res['stock'] = res['stock'] if not job else 'equal'
         kills = kills or choose_kills(events, random.Random(seed * 7919 + 1), info['every_iter'], windows)
         res['kills'] = kills
         run_dir,trained = folder/'run',[]
         for n,(w,spec) in enumerate(kills):
             rc,lines = run(f'kill {n+1}', run_dir, out, env={'RS_KILL': spec})
             what = f'kill {n+1} ({w}: {spec})' if n == 0 else f'the rerun after kill {n} (to be killed at {w}: {spec})'
+            if failed(rc, lines): trained.append(batches(lines)); continue  # the job failed before: requeued
             if rc == 0:
                 if n == 0: raise Outcome('failed', f'the run meant to be killed at {spec} never got there and ended')
                 trained.append(batches(lines)); break  # it did not get there: it is the rerun to the end
@@ -593,22 +653,51 @@ def run_case(forker, seed, folder, windows=None, timeout=120, stock=None, kills=
             if not any(l.startswith('KILL ') for l in lines): raise Outcome('failed', f'{what}: killed by something else')
             trained.append(batches(lines))
         else:
-            rc,lines = run('rerun', run_dir, out)
+            if edit:  # the same script, edited
+                script.write_text(edit_script(text, edit))
+                points = list((run_dir/'models').glob('autoresume*.pth'))
+            for _ in range(2):  # a job whose transient error came in this rerun (killed before it) is requeued once more
+                rc,lines = run('rerun', run_dir, out)
+                if not (failed(rc, lines) and transient and not edit): break
+            if edit: _edited(edit, rc, lines, points, ref if not (errs and transient) else never, out)
+            if failed(rc, lines) and not transient:  # the bug comes back where the run met it, with the same weights
+                if _raises(lines)[-1:] != _raises(ref_lines)[-1:]:
+                    raise Outcome('failed', f'the requeued job raised {_raises(lines)}, the uninterrupted one {_raises(ref_lines)}')
+                if not _in_order(batches(lines), [b for b in ref_b]): raise Outcome('failed', 'the requeued job trained other batches')
+                raise Outcome('passed')
             if rc != 0: _ended(rc, lines, f'the rerun after {len(kills)} kill(s)')
             trained.append(batches(lines))
-        # every call numbered as the uninterrupted run numbered it: the call that raised too (raised again, or met again)
-        last,d = trained[-1],_diffs(ref, out)
-        tail = ref_b[len(ref_b)-len(last):] if last else []
+        # a transient error that is gone: the run that never met it; else the uninterrupted run
+        gone = errs and transient and not _raises(lines)
+        expect,expect_b = (never,never_b) if gone else (ref,ref_b)
+        last,d = trained[-1],_diffs(expect, out)
+        tail = expect_b[len(expect_b)-len(last):] if last else []
         if d: raise Outcome('failed', f'exit 0 with other weights ({len(d)} differences; first: {d[0]})')
-        if last != tail:
+        if not (last == tail or errs and _in_order(last, expect_b)):
             raise Outcome('failed', f'the rerun to the end trained {len(last)} batches that are not the rest of the uninterrupted run')
         if _steps(out) != len(last): raise Outcome('failed', f'the rerun took {_steps(out)} optimizer steps for {len(last)} batches')
         rc,lines = run('again', run_dir, out)
         if rc != 0: _ended(rc, lines, 'a rerun after the end')
-        if batches(lines): raise Outcome('failed', f'a rerun after the end trained {len(batches(lines))} batches')
-        if (d := _diffs(ref, out)): raise Outcome('failed', f'a rerun after the end ended with other weights: {d[0]}')
+        # a call that an error ends is never done: a rerun continues it up to the error again
+        if batches(lines) and not (errs and not gone and _in_order(batches(lines), expect_b, to_end=False)):
+            raise Outcome('failed', f'a rerun after the end trained {len(batches(lines))} batches')
+        if (d := _diffs(expect, out)): raise Outcome('failed', f'a rerun after the end ended with other weights: {d[0]}')
         raise Outcome('passed')
     except Outcome as o: res.update(outcome=o.kind, symptom=o.what)
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     res.update(cpu=cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, wall=time.monotonic() - t0)
     return res
+
+def _edited(kind, rc, lines, points, expect, out):
+    ("The rerun of an edited script (`edit_script`): refused naming the change (before any batch, one message), or continued "
+     "naming it (weight decay), or, where the rerun does not reach the edit or nothing was written before it, as before; `Outcome`")
+    text = ''.join(lines)
+    if rc != 0:
+        if (t := _trace(lines)) or batches(lines): raise Outcome('failed', f'the edit {kind}: exited {rc}, {t or "after training"}')
+        if kind in REFUSED and any(k in text for k in REFUSED[kind]):
+            raise Outcome('passed', f'the edit {kind}: refused: {_last(lines)}')
+        raise Outcome('failed', f'the edit {kind}: refused for another reason: {_last(lines)}')
+    if kind not in REFUSED and 'other hyperparameters' in text: raise Outcome('passed', f'the edit {kind}: named')
+    if not points: raise Outcome('passed', f'the edit {kind}: a fresh run (nothing was written before the kill)')
+    if not _diffs(expect, out): raise Outcome('passed', f'the edit {kind}: not reached by the rerun')
+    raise Outcome('failed', f'the edit {kind}: continued in silence, with other weights')

@@ -44,10 +44,19 @@ CASES = [
     pytest.param(60, dict(app='digits', shape='one', family='nested'), ['valid', 'mid'], id='digits-nested-valid-mid'),
     pytest.param(61, dict(app='text', shape='one', family='nested'), ['epoch_end'], id='text-nested-epochend'),
     pytest.param(62, dict(app='digits', shape='two_same', family='cancel'), ['mid', 'between'], id='digits-cancel-mid-between'),
-    # a transient error the script retries (killed before the raise, and in the retry before its first resume point: the rerun
-    # meets the error again where the run met it), or falls back from (killed in the call in its place); a stream whose `len()` lies
-    pytest.param(63, dict(app='digits', shape='one', family='retry', mixup=False), ['before_raise', 'retry_start'], id='digits-retry'),
-    pytest.param(65, dict(app='digits', shape='one', family='retry', mixup=False), ['retry'], id='digits-fallback'),
+    # issue 60, an error is a kill: a deterministic error (a bug) comes back where the run met it, the script's reaction runs again, and
+    # the run ends as the uninterrupted one; a transient one does not, and the run ends as one that never met it; a job that exits 1
+    # (or dies of the error) is requeued: after a transient error it finishes, after a bug it fails there again with the same weights
+    pytest.param(76, dict(app='digits', shape='one', family='retry', mixup=False), ['before_raise', 'retry_start'], id='retry-deterministic'),
+    pytest.param(64, dict(app='digits', shape='one', family='retry', mixup=False), ['retry'], id='retry-transient'),
+    pytest.param(68, dict(app='digits', shape='one', family='retry', mixup=False), ['retry_start'], id='fallback-transient'),
+    pytest.param(60, dict(app='digits', shape='one', family='retry', mixup=False), ['before_raise'], id='exit-transient'),
+    pytest.param(69, dict(app='digits', shape='one', family='retry', mixup=False), ['before_raise'], id='raise-deterministic'),
+    # issue 60, one rule for every edit between a kill and the rerun: refused naming it, or (a hyperparameter) continued naming it
+    pytest.param(10, dict(app='digits', shape='one', family='', edit='data'), ['mid'], id='edit-data'),
+    pytest.param(14, dict(app='digits', shape='two_same', family='', edit='callback-fit'), ['mid'], id='edit-callback-in-fit'),
+    pytest.param(12, dict(app='digits', shape='one', family='', edit='metric'), ['mid'], id='edit-metric'),
+    pytest.param(11, dict(app='digits', shape='one', family='', edit='wd-learner'), ['mid'], id='edit-wd-in-learner'),
     pytest.param(66, dict(app='digits', shape='two_same', family='stream'), ['past_len', 'epoch_end'], id='digits-stream-past-len'),
 ]
 
@@ -55,7 +64,8 @@ CASES = [
 def test_random_script(forker, stock, tmp_path, seed, force, windows):
     "Bitwise equal to the uninterrupted run (and to stock fastai), or refused before training; a rerun after the end trains nothing"
     r = rs.run_case(forker, seed, tmp_path, windows=windows, timeout=120, stock=stock, background=False, **force)
-    assert r['outcome'] in ('passed', 'refused'), f"script {seed} ({r['desc']}), kills {r['kills']}: {r['symptom']}"
+    ok = ('passed',) if force.get('edit') or force.get('family') == 'retry' else ('passed', 'refused')
+    assert r['outcome'] in ok, f"script {seed} ({r['desc']}), kills {r['kills']}, edit {r['edit']}: {r['symptom']}"
     assert [w for w,_ in r['kills']] == windows, f"the kill windows drawn: {r['kills']}"
 
 def make_script_without_family(seed)->str:
