@@ -4,7 +4,7 @@
 
 # %% ../nbs/03e_autoresume.ipynb #784552e6
 from __future__ import annotations
-import io, signal, time, warnings
+import io, signal, sys, time, warnings
 from types import ModuleType
 import torch
 from torch import nn
@@ -141,6 +141,13 @@ class _Watch:
             if check is not None: check.say('unkept', text=msg)  # for `check`, whatever the warning filters
             warnings.warn(msg, stacklevel=user_stacklevel())
 
+
+def _again()->str:
+    "How to continue a stopped run, in words: a script runs again; a notebook's kernel lives on, and its next fit call is new"
+    ip = getattr(sys.modules.get('IPython'), 'get_ipython', lambda: None)()
+    if ip is None: return "run the same command again to continue"
+    return ("restart the kernel and run the notebook again to continue (a fit call made in this kernel is a new one, as "
+            "in fastai)")
 
 def _worker_streams(learn):
     ("The `WorkerStreams` added for this fit call when the training DataLoader has workers and the Learner has neither "
@@ -355,7 +362,7 @@ class AutoResume(LeanCallback):
         self.stop_signals.signum = stop  # the next safe point is the end, saved
         self.stop_note = "the end state of this fit call is saved"
         self._say(f"AutoResume: stopped by {signal.Signals(stop).name} at the end of fit call {self.fit_index+1}; "
-                  f"{self.stop_note}, run the same command again to continue", own_line=True)
+                  f"{self.stop_note}, {_again()}", own_line=True)
         self._exit()
 
     def left_fit(self, raised:bool=False): # an exception ended it
@@ -384,8 +391,10 @@ class AutoResume(LeanCallback):
         # at the end, the weights the next call would start from: a rerun that loads them from a cache makes that call
         starts = rs.starts[:self.fit_index+1] + ([start_digest(self.learn)] if end else [])
         modes = [m.training for m in self.learn.model.modules()]  # a fit leaves its model in eval mode after validation
+        # at the end, the Learner's counters as the call leaves them (a `get_preds` in `after_epoch` sets them too)
+        attrs = {k: v for k in ('epoch', 'iter', 'n_epoch') if isinstance(v := getattr(self.learn, k, None), int)}
         extra = dict(fit_index=self.fit_index, fits=rs.fits, ends=ends, starts=starts, run_id=rs.identity,
-                     **({'last_epoch': self.learn.resume.epoch, 'train_modes': modes} if end else {}))
+                     **({'last_epoch': self.learn.resume.epoch, 'train_modes': modes, 'end_attrs': attrs} if end else {}))
         if end: rs.ends = ends
         if not self.points.ready(stopping): return
         ck,start = make_point(self.learn, self.points.store, name, log=self.log, extra=extra)
@@ -414,8 +423,8 @@ class AutoResume(LeanCallback):
         ep,it = fit_position(self.learn)
         self.runlog.stopped(signal.Signals(signum).name, self.fit_index, ep, it, self.train_iter, saved)
         at = position_text(ep, it, self.learn.resume.n_epoch, len(self.dls.train))
-        self._say(f"AutoResume: stopped by {signal.Signals(signum).name} at {at}; {self.stop_note}, run the same "
-                  "command again to continue", own_line=True)
+        self._say(f"AutoResume: stopped by {signal.Signals(signum).name} at {at}; {self.stop_note}, {_again()}",
+                  own_line=True)
         raise CancelFitException()
 
     def _abandon(self)->bool:

@@ -319,6 +319,7 @@ def _fit_ledger(r):
         if n is not None and not (isinstance(n, str) and checkpoint_number(n) is not None):
             _fail(f'ends[{j}]', f"is {n!r}, not the name of a resume point")
     _int(r.get('last_epoch'), 'last_epoch', -1, fits[i]['n_epoch'], none_ok=True)  # -1: the end of a `fit(0)`
+    for k,v in _of(r.get('end_attrs', {}), 'end_attrs', dict).items(): _int(v, f'end_attrs.{k}', -1)  # -1: `fit(0)`
 
 # %% ../nbs/00_files.ipynb #b8f6e4e0
 def unpack(o):

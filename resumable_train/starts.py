@@ -72,7 +72,7 @@ class FitStart:
         store_attr()
         self.points.store,self.points.run,self.points.fname = store,run,fname
         # the rank whose node holds the newest resume point; a finished call's end state (file, checkpoint), its epoch
-        self.src,self.end_state,self.end_point,self.last_epoch = 0,None,None,None
+        self.src,self.end_state,self.end_point,self.end_attrs = 0,None,None,{}
     @property
     def folder(self): return getattr(self.store, 'folder', self.store.url)  # a local folder, or a URL
     @property
@@ -161,7 +161,7 @@ class FitStart:
 
     def end_skip(self):
         "End the finished fit call where it ended, whatever a callback's `after_fit` loaded or drew meanwhile"
-        self.learn.epoch = self.last_epoch  # the epoch the finished call ended in
+        for k,v in self.end_attrs.items(): setattr(self.learn, k, v)  # its counters as the finished call left them
         # a callback's `after_fit` may have loaded weights of a later call (`SaveModelCallback`'s best model, which that
         # call wrote over): the call ends where it ended, as the next call and the code before it saw it
         load_through(self.learn, _stem(self.end_state[0]), with_iter=False, state=self.end_state[1],
@@ -202,7 +202,7 @@ class FitStart:
         fresh = tuple(self.fresh_callbacks) + (tuple(sorted(now - set(rec['callbacks']))) if after else ())
         self.end_point = ResumePoint.from_record(rec, file, fresh=fresh)
         restore_end(self.learn, self.end_point, rested)
-        self.last_epoch = rec.get('last_epoch', self.learn.n_epoch-1)
+        self.end_attrs = rec.get('end_attrs') or {'epoch': rec.get('last_epoch', self.learn.n_epoch-1)}
         self.run.ends = list(rec.get('ends', [])[:i]) + [file_name(file)]  # records of 0.1.0 have no ledger
         return rec
 

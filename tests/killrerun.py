@@ -57,10 +57,11 @@ def plain(o):
     return o.item() if isinstance(o, np.generic) else o
 
 def save_result(learn, out):
-    "Save what `compare` checks: weights, optimizer state, `Recorder` history, step count"
+    "Save what `compare` checks: weights, optimizer state, `Recorder` history, the Learner's counters, step count"
     rec = learn.recorder
+    attrs = {k: getattr(learn, k, None) for k in ('epoch', 'iter', 'train_iter', 'n_epoch')}
     torch.save(plain(dict(model=learn.model.state_dict(), opt=learn.opt.state_dict(), values=rec.values, losses=rec.losses,
-                             lrs=rec.lrs, iters=rec.iters, steps=getattr(learn, 'steps', 0))), out)
+                             lrs=rec.lrs, iters=rec.iters, attrs=attrs, steps=getattr(learn, 'steps', 0))), out)
 
 def batches(lines)->list:
     "The `(fit, epoch, iter)` of every batch a run trained"
@@ -145,7 +146,7 @@ class StockRun:
 
 def same_as_stock(stock_out, ref_out):
     "Assert the uninterrupted run with AutoResume (`ref_out`) is bitwise stock fastai's (`stock_out`), optimizer steps included"
-    d = compare(stock_out, ref_out, keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters', 'steps'))
+    d = compare(stock_out, ref_out, keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters', 'attrs', 'steps'))
     assert not d, f"AutoResume changed an uninterrupted run: {len(d)} differences from stock fastai, first:\n" + '\n'.join(d[:10])
 
 def stock_reference(forker, stock, tmp_path, script, args, keys=None, env=None)->list:

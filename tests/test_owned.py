@@ -44,7 +44,7 @@ def finish(forker, tmp_path, shape, ref, ref_file=None,
     trained = batches(lines)
     if raised: assert in_order(trained, ref), f"the rerun trained {trained[:3]}..., not batches of the run, in order"
     else: assert trained and trained == ref[len(ref)-len(trained):], f"the rerun trained {trained[:3]}..., not the run's rest"
-    d = compare(ref_file, tmp_path/'out.pth', keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters'))
+    d = compare(ref_file, tmp_path/'out.pth', keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters', 'attrs'))
     assert not d, f"{len(d)} differences from the uninterrupted run, first:\n" + '\n'.join(d[:10])
     before = snapshot(tmp_path/'run')
     again = run_to_end(forker, SCRIPT, [tmp_path/'out.pth', '--shape', shape], cwd=tmp_path/'run')
@@ -53,7 +53,7 @@ def finish(forker, tmp_path, shape, ref, ref_file=None,
         assert not batches(again), f"a rerun of the finished run trained {len(batches(again))} batches"
         after = snapshot(tmp_path/'run')
         assert before == after, f"a rerun of the finished run changed files: {set(before.items()) ^ set(after.items())}"
-    d = compare(ref_file, tmp_path/'out.pth', keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters'))
+    d = compare(ref_file, tmp_path/'out.pth', keys=('model', 'opt', 'values', 'losses', 'lrs', 'iters', 'attrs'))
     assert not d, f"the rerun of the finished run left other bits: {d[:5]}"
     return lines
 
