@@ -490,6 +490,9 @@ def _clean(a)->int:
      "script starts afresh")
     try: store = _store(a.dir, a.fname); names,kept = clean_run(store, a.fname)
     except (StoreError, ValueError, RuntimeError, OSError) as e: return _err(e)
+    if not (names or kept):  # a name misspelled, or cleaned already: say which runs the folder holds
+        runs = ', '.join(repr(n) for n in _runs(store)) or 'none'
+        return _err(f"{store.url} holds no files of run {a.fname!r}; the runs it holds: {runs} (give one as --fname)")
     print(f"removed {len(names)} file{'s'*(len(names) != 1)} of run {a.fname!r} from {store.url}"
           + (f": {', '.join(names)}" if names else ''))
     for n,why in kept:
@@ -584,6 +587,9 @@ def main(argv:list|None=None, # the arguments, `sys.argv[1:]` by default
         sys.stdout.flush()
         print(f"\n{_INTERRUPTED}", file=sys.stderr)  # on a line of its own, also after a progress bar's
         return 130
+    except BrokenPipeError:  # the reader went away (`resumable-train ls | head -1`): quiet, as `git log | head` is
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # python flushes stdout once more at exit
+        return 0
 
 # %% ../nbs/05_cli.ipynb #1a3ccf2b
 if _COMMAND and __name__ == '__main__': sys.exit(main())  # `python -m resumable_train.cli`: as the command

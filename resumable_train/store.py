@@ -557,6 +557,8 @@ def clean_run(store, fname:str)->tuple:
     if store.local and _in_use(store, fname):
         raise RuntimeError(f"{store.url} is in use: a process of this machine is training run '{fname}' there; stop it "
                            "first")
+    lock = store.folder/f'.{fname}.lock' if store.local else None
+    held = lock is not None and lock.exists()  # its lock file, left by the run: removed, and counted
     store.lock(fname)  # refuses, naming the process, while another holds it
     try:
         why = {n: _not_ours(store, n) for n in run_files(store, fname)}
@@ -564,7 +566,8 @@ def clean_run(store, fname:str)->tuple:
         for n in names: store.remove(n)
         if store.local:
             for p in _tmp_files(store.folder, fname): p.unlink(missing_ok=True)
-            (store.folder/f'.{fname}.lock').unlink(missing_ok=True)  # held: no process can take it meanwhile
+            lock.unlink(missing_ok=True)  # held: no process can take it meanwhile
+            if held: names.append(lock.name)
     finally: store.unlock(fname)
     return names, [(n, w) for n,w in why.items() if w is not None]
 

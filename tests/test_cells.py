@@ -49,6 +49,9 @@ def test_cell_run_again(forker, refs, tmp_path, cell, stop, at, ipython):
     lines = run_to_end(forker, SCRIPT, [out, '--cell', cell, '--stop', stop, '--at', at, '--runs', runs] + ipy, cwd=tmp_path, timeout=90)
     t = text(lines)
     assert 'INTERRUPTED' in t and 'REFUSED' not in t, t[-3000:]
+    if stop == 'sigint':  # how to continue, said where it is done (issue 61): in IPython the kernel lives on
+        said = 'restart the kernel and run the notebook again to continue' if ipython else 'run the same command again to continue'
+        assert said in t, t[-3000:]
     # the interrupted run's batches, then the cell's calls trained anew from the Learner as the interruption left it
     assert steps(out) == at + per_run*(runs - (at-1)//per_run), f"{steps(out)} optimizer steps in the process:\n{t[-3000:]}"
     lines = run_to_end(forker, SCRIPT, [out, '--cell', cell, '--runs', runs] + ipy, cwd=tmp_path, timeout=90)  # the kernel restarted

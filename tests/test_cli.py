@@ -4,6 +4,7 @@ import json, os, random, re, signal, subprocess, sys, textwrap, time
 from pathlib import Path
 import pytest, torch
 from helpers import PY, run, check_rc
+CLI = str(Path(sys.executable).parent/"resumable-train")  # the installed command
 
 CMD = str(Path(sys.executable).parent/'resumable-train')
 
@@ -224,3 +225,22 @@ def test_demo_ctrl_c(tmp_path, cmd, when):
     rc,out = _interrupt(tmp_path, cmd, when)
     assert rc == 130 and re.fullmatch(r'(?s)(.*\n)?resumable-train: interrupted \(Ctrl-C\)\n', out), (rc, out[-3000:])
     assert 'Traceback' not in out and 'AutoResume' not in out, out[-3000:]
+
+def test_closed_pipe_and_clean(runs, tmp_path):
+    """Issue 61: `ls` into a pipe that its reader closed is quiet, as `git log | head` is; `clean` of a run the folder does not hold
+    (a misspelled name) names the runs it holds and exits non-zero; `clean` counts the lock file it removes"""
+    import shutil
+    d = tmp_path/'run'
+    shutil.copytree(runs['tmp']/'cut'/'models', d)
+    for args in (['ls', d], ['ls', '--json', d]):
+        p = subprocess.Popen([CLI, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p.stdout.close()  # the reader went away before the first line (`| head -1` after it)
+        try: err = p.communicate(timeout=60)[1]
+        finally: p.kill()
+        assert p.returncode == 0 and err == '', (args, p.returncode, err)
+    rc,out,err = run([CLI, 'clean', d, '--fname', 'nosuch'], 60)
+    assert rc != 0 and out == '' and "holds no files of run 'nosuch'; the runs it holds: 'autoresume'" in err, (rc, out, err)
+    (d/'.autoresume.lock').touch()  # left by the run
+    n = len(list(d.glob('autoresume*')))
+    rc,out,err = run([CLI, 'clean', d], 60)
+    assert rc == 0 and f'removed {n+1} files' in out and '.autoresume.lock' in out and not list(d.glob('*autoresume*')), (rc, out, err)
