@@ -55,6 +55,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                               'resumable_train/checkpoints.py'),
                                              'resumable_train.checkpoints.RunPoints.ready': ( 'checkpoints.html#runpoints.ready',
                                                                                               'resumable_train/checkpoints.py'),
+                                             'resumable_train.checkpoints.RunPoints.room': ( 'checkpoints.html#runpoints.room',
+                                                                                             'resumable_train/checkpoints.py'),
                                              'resumable_train.checkpoints.RunPoints.write': ( 'checkpoints.html#runpoints.write',
                                                                                               'resumable_train/checkpoints.py'),
                                              'resumable_train.checkpoints.Snapshot': ( 'checkpoints.html#snapshot',

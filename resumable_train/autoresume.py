@@ -397,7 +397,8 @@ class AutoResume(LeanCallback):
                      **({'last_epoch': self.learn.resume.epoch, 'train_modes': modes, 'end_attrs': attrs} if end else {}))
         if end: rs.ends = ends
         if not self.points.ready(stopping): return
-        ck,start = make_point(self.learn, self.points.store, name, log=self.log, extra=extra)
+        ck,start = self.points.room(make_point, self.learn, self.points.store, name, log=self.log, extra=extra,
+                                    when=f", as the state for {name} was taken (a callback flushes its file: `CSVLogger`)")
         self.points.write(ck, name, start, stopping)
         self.last_save = time.monotonic()  # on every rank: each decides when the next is due (`agree`)
         return name

@@ -342,15 +342,18 @@ class RunPoints:
         bg = self.background or stopping is not None
         self.writer(partial(self._write, ck, name, start), then=self.prune, background=bg)
 
+    def room(self, f, *args, when:str='', **kwargs): # when it happened, in words
+        "`f(*args, **kwargs)`; a full disk (`ENOSPC`) said in one line, with where a rerun continues once there is room"
+        try: return f(*args, **kwargs)
+        except OSError as e:
+            if e.errno != errno.ENOSPC: raise
+            raise OSError(e.errno, f"{e.strerror}{when}; {self.kept()} once there is room") from None
+
     def _write(self, ck, name, start=None):
         "Write the resume point `ck` as `name`, and start the history log it could not append to"
         if isinstance(ck, Pending): ck = ck.to_host()  # a device snapshot: its copy to the host ends here
-        try:
-            self.store.save(ck, name, cancel=self.writer.cancel)
-            if start: start()
-        except OSError as e:
-            if e.errno != errno.ENOSPC: raise
-            raise OSError(e.errno, f"{e.strerror}; {self.kept()} once there is room") from None
+        self.room(self.store.save, ck, name, cancel=self.writer.cancel)
+        if start: self.room(start)
         # written and durable: where a rerun continues
         self.last,self.newest = (self.store.where(name), record_text(resume_record(ck))),name
 

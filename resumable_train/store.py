@@ -413,7 +413,11 @@ class _Reach:
     def __init__(self, file):
         fd = os.open(file, os.O_RDWR | os.O_CREAT | getattr(os, 'O_CLOEXEC', 0), 0o644)
         try:
-            os.ftruncate(fd, 0); os.ftruncate(fd, 2*_SLOT)  # a new story: the last process's mark was read before
+            os.ftruncate(fd, 0)  # a new story: the last process's mark was read before
+            # its blocks taken now (`OSError` on a full disk): a write to a mapped page the disk has no room for kills the
+            # process (SIGBUS)
+            if hasattr(os, 'posix_fallocate'): os.posix_fallocate(fd, 0, 2*_SLOT)
+            else: os.write(fd, bytes(2*_SLOT))
             self.mm = mmap.mmap(fd, 2*_SLOT)
         finally: os.close(fd)
     def write(self, n:int, *fields):
@@ -645,15 +649,16 @@ class RunLog:
         if not self.on: return
         if self.mark is None:
             f = _reach_file(self.store, self.fname)
-            if f is None: return
-            self.mark,self.n = _Reach(f),0
+            try: self.mark,self.n = (_Reach(f) if f is not None else False),0
+            except OSError: self.mark = False  # no room for it (a full disk): the story goes on without it
+        if not self.mark: return
         self.n += 1
         self.mark.write(self.n, fit, epoch, it, train_iter, time.time())
 
     def end(self, event:str, **fields):
         "Add `event`, which ends the training this process began (nothing if it began none), and close the reach mark"
         if self.training: self.add(event, **fields)
-        if self.mark is not None: self.mark.close()
+        if self.mark: self.mark.close()
         self.mark,self.training = None,False
 
     def stopped(self, signal:str, fit:int, epoch:int, it:int, train_iter:int, # where it stopped
