@@ -90,7 +90,9 @@ def main():
                   + (f" | edit {edit}" if edit else '')
                   + (f"\n        {r['symptom']}" if r['symptom'] else ''), flush=True)
             seed += 1
-    finally: shutil.rmtree(work, ignore_errors=True); stock.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True); stock.close()
+        if not a.keep and not any(keep.iterdir()): keep.rmdir()  # no failure: no folder left in the temporary folder
     report(cases, a, time.monotonic() - t0, keep)
 
 def report(cases, a, wall, keep, heads=None):
