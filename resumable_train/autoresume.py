@@ -143,11 +143,11 @@ class _Watch:
 
 
 def _again()->str:
-    "How to continue a stopped run, in words: a script runs again; a notebook's kernel lives on, and its next fit call is new"
+    "How to continue a stopped run, in words: a script runs again; in a notebook, whose kernel lives on, it restarts"
     ip = getattr(sys.modules.get('IPython'), 'get_ipython', lambda: None)()
     if ip is None: return "run the same command again to continue"
-    return ("restart the kernel and run the notebook again to continue (a fit call made in this kernel is a new one, as "
-            "in fastai)")
+    return ("restart the kernel and run the notebook again to continue (a fit call made in this kernel is a new "
+            "one, as in fastai)")
 
 def _worker_streams(learn):
     ("The `WorkerStreams` added for this fit call when the training DataLoader has workers and the Learner has neither "
@@ -394,11 +394,11 @@ class AutoResume(LeanCallback):
         # at the end, the Learner's counters as the call leaves them (a `get_preds` in `after_epoch` sets them too)
         attrs = {k: v for k in ('epoch', 'iter', 'n_epoch') if isinstance(v := getattr(self.learn, k, None), int)}
         extra = dict(fit_index=self.fit_index, fits=rs.fits, ends=ends, starts=starts, run_id=rs.identity,
-                     **({'last_epoch': self.learn.resume.epoch, 'train_modes': modes, 'end_attrs': attrs} if end else {}))
+                     **(dict(last_epoch=self.learn.resume.epoch, train_modes=modes, end_attrs=attrs) if end else {}))
         if end: rs.ends = ends
         if not self.points.ready(stopping): return
         ck,start = self.points.room(make_point, self.learn, self.points.store, name, log=self.log, extra=extra,
-                                    when=f", as the state for {name} was taken (a callback flushes its file: `CSVLogger`)")
+                                    when=f", as the state of {name} was taken (`CSVLogger` flushes its file)")
         self.points.write(ck, name, start, stopping)
         self.last_save = time.monotonic()  # on every rank: each decides when the next is due (`agree`)
         return name

@@ -414,8 +414,8 @@ class _Reach:
         fd = os.open(file, os.O_RDWR | os.O_CREAT | getattr(os, 'O_CLOEXEC', 0), 0o644)
         try:
             os.ftruncate(fd, 0)  # a new story: the last process's mark was read before
-            # its blocks taken now (`OSError` on a full disk): a write to a mapped page the disk has no room for kills the
-            # process (SIGBUS)
+            # its blocks taken now (`OSError` on a full disk): a write to a mapped page the disk has no room for
+            # kills the process (SIGBUS)
             if hasattr(os, 'posix_fallocate'): os.posix_fallocate(fd, 0, 2*_SLOT)
             else: os.write(fd, bytes(2*_SLOT))
             self.mm = mmap.mmap(fd, 2*_SLOT)
