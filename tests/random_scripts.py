@@ -600,6 +600,7 @@ def run_case(forker, seed, folder, windows=None, timeout=120, stock=None, kills=
     script.write_text(text)
     fam = (info.get('family') or '').split() + ['', '', '']
     errs,job,transient = fam[0] == 'retry',fam[1] in ('raise', 'exit'),fam[2] == 'transient'
+    if edit and job: raise ValueError(f'script {seed} exits on its error: a job, which the soak edits not (its rerun fails by design)')
     res = dict(seed=seed, info=info, desc=describe(info), kills=[], outcome=None, symptom='', runs=0, stock=None, edit=edit)
     cpu0,t0 = resource.getrusage(resource.RUSAGE_CHILDREN),time.monotonic()
     def run(name, cwd, out, *args, env=None):
@@ -663,7 +664,8 @@ def run_case(forker, seed, folder, windows=None, timeout=120, stock=None, kills=
                     rc,lines = run('edited reference', folder/'edref', folder/'edref.pth')
                     if rc != 0: _ended(rc, lines, 'the edited script, uninterrupted')
                     return folder/'edref.pth'
-                _edited(edit, rc, lines, ref if not (errs and transient) else never, out, edited_ref)
+                gone = errs and transient and not _raises(lines)  # the error did not come in this rerun
+                _edited(edit, rc, lines, never if gone else ref, out, edited_ref)
             if failed(rc, lines) and not transient:  # the bug comes back where the run met it, with the same weights
                 if _raises(lines)[-1:] != _raises(ref_lines)[-1:]:
                     raise Outcome('failed', f'the requeued job raised {_raises(lines)}, the uninterrupted one {_raises(ref_lines)}')
