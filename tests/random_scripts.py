@@ -649,7 +649,8 @@ def run_case(forker, seed, folder, windows=None, timeout=120, stock=None, kills=
             if failed(rc, lines): trained.append(batches(lines)); continue  # the job failed before: requeued
             if rc == 0:
                 if n == 0: raise Outcome('failed', f'the run meant to be killed at {spec} never got there and ended')
-                trained.append(batches(lines)); break  # it did not get there: it is the rerun to the end
+                trained.append(batches(lines)); res['edit'] = None  # it did not get there: it is the rerun to the end
+                break
             if rc != -signal.SIGKILL: _ended(rc, lines, what)
             if not any(l.startswith('KILL ') for l in lines): raise Outcome('failed', f'{what}: killed by something else')
             trained.append(batches(lines))
