@@ -397,8 +397,8 @@ class AutoResume(LeanCallback):
                      **(dict(last_epoch=self.learn.resume.epoch, train_modes=modes, end_attrs=attrs) if end else {}))
         if end: rs.ends = ends
         if not self.points.ready(stopping): return
-        ck,start = self.points.room(make_point, self.learn, self.points.store, name, log=self.log, extra=extra,
-                                    when=f", as the state of {name} was taken (`CSVLogger` flushes its file)")
+        with self.points.full_disk(f", as the state of {name} was taken (`CSVLogger` flushes its file)"):
+            ck,start = make_point(self.learn, self.points.store, name, log=self.log, extra=extra)
         self.points.write(ck, name, start, stopping)
         self.last_save = time.monotonic()  # on every rank: each decides when the next is due (`agree`)
         return name

@@ -4,7 +4,7 @@
 
 # %% ../nbs/03a_checkpoints.ipynb #0f709534
 from __future__ import annotations
-import errno, os, threading, time, warnings
+import contextlib, errno, os, threading, time, warnings
 from functools import partial
 import torch, torch.distributed as dist
 from fastcore.basics import store_attr
@@ -342,9 +342,10 @@ class RunPoints:
         bg = self.background or stopping is not None
         self.writer(partial(self._write, ck, name, start), then=self.prune, background=bg)
 
-    def room(self, f, *args, when:str='', **kwargs): # when it happened, in words
-        "`f(*args, **kwargs)`; a full disk (`ENOSPC`) said in one line, with where a rerun continues once there is room"
-        try: return f(*args, **kwargs)
+    @contextlib.contextmanager
+    def full_disk(self, when:str=''): # when it happened, in words
+        "A full disk (`ENOSPC`) in the block said in one line, with where a rerun continues once there is room"
+        try: yield
         except OSError as e:
             if e.errno != errno.ENOSPC: raise
             raise OSError(e.errno, f"{e.strerror}{when}; {self.kept()} once there is room") from None
@@ -352,8 +353,9 @@ class RunPoints:
     def _write(self, ck, name, start=None):
         "Write the resume point `ck` as `name`, and start the history log it could not append to"
         if isinstance(ck, Pending): ck = ck.to_host()  # a device snapshot: its copy to the host ends here
-        self.room(self.store.save, ck, name, cancel=self.writer.cancel)
-        if start: self.room(start)
+        with self.full_disk():
+            self.store.save(ck, name, cancel=self.writer.cancel)
+            if start: start()
         # written and durable: where a rerun continues
         self.last,self.newest = (self.store.where(name), record_text(resume_record(ck))),name
 
