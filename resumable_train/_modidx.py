@@ -535,7 +535,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                        'resumable_train.hooks.internal': ('hooks.html#internal', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks.is_a': ('hooks.html#is_a', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks.is_refusal': ('hooks.html#is_refusal', 'resumable_train/hooks.py'),
-                                       'resumable_train.hooks.made_identity': ('hooks.html#made_identity', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks.refusal_text': ('hooks.html#refusal_text', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks.short_refusals': ('hooks.html#short_refusals', 'resumable_train/hooks.py'),
                                        'resumable_train.hooks.when_imported': ('hooks.html#when_imported', 'resumable_train/hooks.py')},

@@ -286,7 +286,7 @@ class AutoResume(LeanCallback):
             self.resumed_iter,self.resumed_from = None,None  # where this fit call continued
             self.runlog = RunLog(self.store, self.run_fname, on=not rank_distrib())  # the run's story (`runlog`)
             kind,file,rec,state = self.decision
-            if kind == 'skip': self.start.skip(file, rec); self._to('skipping'); return
+            if kind == 'skip': self.start.skip(file, rec, state); self._to('skipping'); return
             if kind == 'after': self._say(f"AutoResume: fit call {self.fit_index} finished in an earlier run; its end "
                                           f"state is loaded from {self.store.where(self.run_state.ends[-1])}")
             if kind == 'continue': self.resumed_iter,self.resumed_from = self.start.continue_from(file, rec, state)

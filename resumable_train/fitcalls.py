@@ -12,7 +12,7 @@ from fastai.torch_core import num_distrib, get_model
 from .files import *
 from .state import *
 from pathlib import Path
-from .hooks import is_a, made_identity, LeanCallback
+from .hooks import is_a, LeanCallback
 from .store import read_runlog, runlog_identity, run_files
 from .checkpoints import newest_valid
 from .loaders import TrainLoader, loader_of
@@ -98,10 +98,11 @@ def _arch_diff(saved:list, now:list)->str:
 
 def setup_diff(saved:dict, now:dict, skip=())->list:
     "What differs between two `run_setup`s, in words, but for keys in `skip` or absent from an older `saved`"
-    word = dict(model=lambda k,a,b: _arch_diff(a, b),
-                data=lambda k,a,b: "data: other items (a sample of the training items differs in content)")
-    return [word.get(k, lambda k,a,b: f"{k}: saved {a}, now {b}")(k, saved[k], v)
-            for k,v in now.items() if k not in skip and k in saved and saved[k] != v]
+    def said(k, a, b):
+        if k == 'model': return _arch_diff(a, b)
+        if k == 'data': return "data: other items (a sample of the training items differs in content)"
+        return f"{k}: saved {a}, now {b}"
+    return [said(k, saved[k], v) for k,v in now.items() if k not in skip and k in saved and saved[k] != v]
 
 def check_setup(saved:dict, now:dict, file=''):
     "Raise if the run that saved a resume point differs from this one"
@@ -230,8 +231,9 @@ def check_plan(saved, now, file, strict=False, # refuse (or warn)
 
 # %% ../nbs/02_fitcalls.ipynb #7d1e5a40
 def run_identity()->dict:
-    "What makes this process's runs one script's: its name (`hooks.made_identity`)"
-    return made_identity()
+    "This process's runs' identity: its script's name (`None` in a notebook); what the script sets is compared"
+    main = getattr(sys.modules.get('__main__'), '__file__', None)
+    return dict(script=main and os.path.basename(main))
 
 # %% ../nbs/02_fitcalls.ipynb #b9e795bd
 _LIBS = {'fastai', 'fastcore', 'torch', 'resumable_train'}  # the packages between the user's code and a fit call

@@ -105,10 +105,6 @@ _ZEROED = {**dict.fromkeys(['after_backward', *[e for e in dir(event) if e.start
 # the Learner's defaults a fit call takes when it is not given them
 DEFAULT_HYPERS = ('lr', 'wd', 'moms', 'wd_bn_bias', 'train_bn')
 
-def made_identity()->dict:
-    "The run's identity: its script's name (`None` in a notebook); what the script sets is compared, not identified"
-    main = getattr(sys.modules.get('__main__'), '__file__', None)
-    return dict(script=main and os.path.basename(main))
 
 class ResumeState:
     "One `Learner`'s resume state: the resume point waiting for the next `fit`, and where the running fit call is"

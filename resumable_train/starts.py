@@ -126,7 +126,7 @@ class FitStart:
             rec = resume_record(state)
         if rec['epoch'] is None:
             self._hypers_changed(rec.get('plan'), plan, file, "its result is used as it is")
-            return ('skip', file, rec, None)
+            return ('skip', file, rec, state if f > i else None)  # the journal's end, read already
         self._hypers_changed(rec.get('plan'), plan, file,
                              "they apply from that resume point on, so the result matches neither run")
         if f > i: self.say(f"AutoResume: fit call {i+1} ended before its end in an earlier run, and the script went on "
@@ -145,11 +145,11 @@ class FitStart:
             raise self.refusal(f"AutoResume: fit call {i+1} is in the run's journal, but the file it names cannot be "
                                f"loaded: {e}") from e
 
-    def skip(self, file, rec):
+    def skip(self, file, rec, state=None): # its checkpoint, where `decide` read it already
         "This fit call is done: load its end state from the journal, say so, and train nothing (a fit of no epochs)"
         i = self.index
         where = self.store.where(file_name(file))
-        end_rec = self.load_end(where, i)
+        end_rec = self.load_end(where, i, state=state)
         # the files hold nothing after this call: one message says all
         last = self.points.last is not None and self.points.last[0] == file
         self.say(f"AutoResume: fit call {i+1} finished in an earlier run; its end state is loaded from {where}" + (
@@ -180,9 +180,10 @@ class FitStart:
         return rec['train_iter'],point_at(file_name(file), rec)
 
     def load_end(self, file, i:int,
-                 after:bool=False): # for the next call, after a cached stage: what the cache does not hold
+                 after:bool=False, # for the next call, after a cached stage: what the cache does not hold
+                 state=None): # the checkpoint in `file`, where it was read already
         "Leave the Learner as fit call `i` left it: the end state in `file`"
-        state = self.read(file, i)[1]
+        if state is None: state = self.read(file, i)[1]
         rec = resume_record(state)
         if rec is None or rec.get('fit_index') != i or rec.get('epoch') is not None:
             raise self.refusal(f"AutoResume: {file} is named as the end state of fit call {i+1} but does not hold it")
