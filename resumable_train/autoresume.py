@@ -32,7 +32,7 @@ from .store import RunLog, identity_text
 import torch.distributed as dist
 from .collectives import agree, collective, group_device
 from .loaders import allow_replay, check_callbacks, check_resumable, keep_buffers, loader_kind, train_loader
-from .checkpoints import RunPoints, Writer, file_name
+from .checkpoints import Cadence, RunPoints, Writer, file_name
 from .signals import SIGNALS, StopSignals, WorkerSignals
 from .trackers import continue_trackers
 from .starts import FitStart
@@ -157,12 +157,18 @@ def _worker_streams(learn):
     learn.add_cb(ws := WorkerStreams())
     return ws
 
+def _inside_ok(dl)->bool:
+    "Can `dl` be continued inside an epoch? `AutoResume`'s own interval writes points there only then"
+    try: keep_buffers(dl); loader_kind(dl)
+    except TypeError: return False
+    return True
+
 class AutoResume(LeanCallback):
     "Write atomic, durable resume points while training; continue from the newest valid one when the script runs again"
     order = 95  # after every callback whose state it saves: `Recorder` (50), schedulers (60), trackers (61-63)
     def __init__(self, fname:str='autoresume', # files are `{fname}-0001.pth`, ... in `dir`
                  every_iter:int|None=None, # write a resume point every `every_iter` training batches
-                 every_secs:float|None=None, # write a resume point once `every_secs` seconds have passed since the last
+                 every_secs:float|None=None, # ... once `every_secs` seconds have passed since the last (neither: `Cadence`)
                  keep:int=2, # how many resume points to keep on disk (besides the end state of each completed fit call)
                  background:bool=False, # write from a background thread
                  signals=SIGNALS, # signals that save a resume point and stop
@@ -190,7 +196,7 @@ class AutoResume(LeanCallback):
 
     def _idle(self):
         "The state between fit calls: every field a fit call sets, at rest (see the table above)"
-        self.state,self.decision,self.run_state,self.last_save = 'idle',None,None,None
+        self.state,self.decision,self.run_state,self.cadence = 'idle',None,None,Cadence()
         self.check,self.group = None,False  # `resumable-train check`'s `CheckRun`; a process group to agree with
         self.stop_signals,self.worker_signals,self.runlog = self._new_stop_signals(),None,None
         # what this fit call writes: its store is known once it has looked (`FitStart`)
@@ -243,9 +249,11 @@ class AutoResume(LeanCallback):
             check_resumable(self.dls.train)
             check_callbacks(self.learn)
             if self.replay: allow_replay(self.dls.train)
-            keep_buffers(self.dls.train, inside=bool(self.every_iter or self.every_secs))  # its content in its state
+            self.cadence = Cadence(self.every_iter, self.every_secs)  # by itself: inside an epoch where one can be continued
+            if self.cadence.auto: self.cadence.auto = _inside_ok(self.dls.train)
+            keep_buffers(self.dls.train, inside=self.cadence.inside)  # its content in its state
             # refuse, before the first batch, a loader that no run could continue inside an epoch
-            if self.every_iter or self.every_secs: loader_kind(self.dls.train)
+            if self.cadence.inside: loader_kind(self.dls.train)
             other = self._run_name(share=self.group)[1]
             self.run_state = self.learn.resume.run = self.current_run()  # a stage saved after this call belongs to it
             if other is not None and not self.run_state.fits: self._say_own(other)
@@ -275,8 +283,9 @@ class AutoResume(LeanCallback):
         "Say, as the process's first fit call of the run starts, that `fname`'s files are another run's"
         d = getattr(self.store, 'folder', self.store.url)
         self._say(f"AutoResume: the files {self.fname}-*.pth in {d} are another run's ({identity_text(other)}); this "
-                  f"run ({identity_text(run_identity())}) keeps its own as {self.run_fname}-*.pth and "
-                  f"leaves those alone: `resumable-train ls {d}` lists both")
+                  f"run ({identity_text(run_identity())}) keeps its own as {self.run_fname}-*.pth and leaves those "
+                  f"alone (a renamed script is another run: to continue that one, run its script): `resumable-train ls "
+                  f"{d}` lists both")
 
     # ---- the events
     def before_fit(self):
@@ -292,12 +301,12 @@ class AutoResume(LeanCallback):
             if kind == 'continue': self.resumed_iter,self.resumed_from = self.start.continue_from(file, rec, state)
             self.added = _worker_streams(self.learn)
             self._to('training')
-            self.last_save = time.monotonic()
             if (c := checking()) is not None:
                 c.begin(self.fit_index, self.n_epoch, len(self.dls.train), self.run_fname, self.resumed_iter)
             fresh = kind == 'start' and self.fit_index == 0 and file is None  # a new run's story
             self.runlog.begin(self.fit_index, (self.n_epoch, self.run_state.fits[-1].get('n_iter')), self.resumed_from,
                               fresh=fresh, run=self.run_state.identity)
+            self.cadence.told(self.runlog.past, (rec or {}).get('point_s'))  # the interval, from the run's story
             self.watch = _Watch(self.learn, (self, self._look_cb))
             self.stop_signals.install()
             self.worker_signals = WorkerSignals(self.stop_signals.old)  # the signals handled here, not in workers
@@ -327,12 +336,11 @@ class AutoResume(LeanCallback):
         train_iter = self.learn.train_iter
         if self.check is not None and self.check.due(self.fit_index, train_iter):
             self.stop_signals(signal.SIGTERM, None)  # `resumable-train check`'s stop
-        due = self.due or bool(self.every_iter and train_iter % self.every_iter == 0)
-        if self.every_secs:
-            late = time.monotonic() - self.last_save >= self.every_secs
-            due |= bool(agree(late) if self.group else late)  # one process: nothing to agree on
-        if stop := agree(self.stop_signals.signum) if self.group else self.stop_signals.signum: self._stop(stop)
-        elif due: self._save(periodic=True)
+        by_iter,late = self.cadence.due(train_iter)
+        stop = self.stop_signals.signum
+        if self.group: stop,late = divmod(agree(stop << 1 | bool(late)), 2)  # one collective: any rank's signal or time
+        if stop: self._stop(stop)
+        elif self.due or by_iter or late: self._save(periodic=True)
 
     def after_epoch(self):
         if self.state == 'training': self.learn.resume.then = self._epoch_end
@@ -385,8 +393,7 @@ class AutoResume(LeanCallback):
         self.due = periodic and self.background and bool(agree(self.writer.busy))
         if self.due: return  # the previous one is still being written: this one is taken at a batch after it
         if self.watch is not None: self.watch.check(self.check)
-        name = self.points.name()
-        rs = self.run_state
+        name,rs,t = self.points.name(),self.run_state,time.monotonic()
         ends = rs.ends[:self.fit_index] + ([name] if end else [])
         # at the end, the weights the next call would start from: a rerun that loads them from a cache makes that call
         starts = rs.starts[:self.fit_index+1] + ([start_digest(self.learn)] if end else [])
@@ -394,13 +401,14 @@ class AutoResume(LeanCallback):
         # at the end, the Learner's counters as the call leaves them (a `get_preds` in `after_epoch` sets them too)
         attrs = {k: v for k in ('epoch', 'iter', 'n_epoch') if isinstance(v := getattr(self.learn, k, None), int)}
         extra = dict(fit_index=self.fit_index, fits=rs.fits, ends=ends, starts=starts, run_id=rs.identity,
+                     **({} if self.cadence.cost is None else dict(point_s=self.cadence.cost)),
                      **(dict(last_epoch=self.learn.resume.epoch, train_modes=modes, end_attrs=attrs) if end else {}))
         if end: rs.ends = ends
         if not self.points.ready(stopping): return
         with self.points.full_disk(f", as the state of {name} was taken (`CSVLogger` flushes its file)"):
             ck,start = make_point(self.learn, self.points.store, name, log=self.log, extra=extra)
         self.points.write(ck, name, start, stopping)
-        self.last_save = time.monotonic()  # on every rank: each decides when the next is due (`agree`)
+        self.cadence.saved(time.monotonic() - t)  # on every rank: each decides when the next is due (`agree`)
         return name
 
     # ---- stopping

@@ -69,9 +69,10 @@ def checking()->CheckRun|None:
     return _checking[1]
 
 # %% ../nbs/06_check.ipynb #d45cbde1
-# what differs between two runs of the same training: the time, the run's ids, the files' names, the history log's
-# framing
-_VARY = {'opt.resume.meta', 'opt.resume.starts', 'opt.resume.ends', 'opt.resume.callbacks.recorder.history'}
+# what differs between two runs of the same training: the time, a resume point's measured cost, the run's ids, the
+# files' names, the history log's framing
+_VARY = {'opt.resume.meta', 'opt.resume.point_s', 'opt.resume.starts', 'opt.resume.ends',
+         'opt.resume.callbacks.recorder.history'}
 _VARY_KEYS = {'mtime_ns'}  # a file's time (`CSVLogger`'s)
 
 def _short(v)->str: s = repr(v); return s if len(s) <= 60 else s[:57] + '...'

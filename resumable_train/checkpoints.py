@@ -4,7 +4,7 @@
 
 # %% ../nbs/03a_checkpoints.ipynb #0f709534
 from __future__ import annotations
-import contextlib, errno, os, threading, time, warnings
+import contextlib, errno, math, os, threading, time, warnings
 from functools import partial
 import torch, torch.distributed as dist
 from fastcore.basics import store_attr
@@ -369,3 +369,38 @@ class RunPoints:
             except OSError as err:
                 warnings.warn(f"AutoResume could not remove an old resume point: {err}; the next resume point "
                               "tries again")
+
+# %% ../nbs/03a_checkpoints.ipynb #c4de0002
+class Cadence:
+    "When a resume point inside an epoch is due: every `every_iter` batches, every `every_secs` seconds, or by itself"
+    share,floor = 0.01,1.  # the most of the training time resume points may take; the shortest interval (s)
+    def __init__(self, every_iter:int|None=None, every_secs:float|None=None, # as `AutoResume` was given them
+                 clock=time.monotonic):
+        store_attr(); self.auto = every_iter is None and every_secs is None
+        self.told()
+
+    def told(self, past:tuple=(0., 0), # what the run's story says: seconds trained and kills (`between_kills`)
+             cost:float|None=None): # the seconds a resume point took from training in the process before
+        "Start timing this process's training"
+        (self.past,self.kills),self.cost,self.begin = past,cost,self.clock()
+        self.last = self.begin
+
+    @property
+    def inside(self)->bool: return bool(self.every_iter or self.every_secs or self.auto)  # points inside an epoch
+
+    @property
+    def secs(self)->float|None:
+        "The interval: `every_secs`, or √(2·C·M), at least 100·C and a second (`None`: by batches only)"
+        if not self.auto: return self.every_secs
+        c,m = self.cost or 0.,(self.past + self.clock() - self.begin)/(self.kills + 1)  # as if a kill came next
+        return max(math.sqrt(2*c*m), c/self.share, self.floor)
+
+    def due(self, train_iter:int)->tuple:
+        "After training batch `train_iter`: is a point due by its number, and by the time (`None`: not timed)"
+        s,by_iter = self.secs,bool(self.every_iter and train_iter % self.every_iter == 0)
+        return by_iter, None if s is None else self.clock() - self.last >= s
+
+    def saved(self, secs:float): # what it took from training
+        "A resume point was written: the next is due an interval from now"
+        self.cost = secs if self.cost is None else 0.7*self.cost + 0.3*secs
+        self.last = self.clock()

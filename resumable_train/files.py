@@ -320,6 +320,7 @@ def _fit_ledger(r):
             _fail(f'ends[{j}]', f"is {n!r}, not the name of a resume point")
     _int(r.get('last_epoch'), 'last_epoch', -1, fits[i]['n_epoch'], none_ok=True)  # -1: the end of a `fit(0)`
     for k,v in _of(r.get('end_attrs', {}), 'end_attrs', dict).items(): _int(v, f'end_attrs.{k}', -1)  # -1: `fit(0)`
+    if 'point_s' in r and not (_is_num(r['point_s']) and r['point_s'] >= 0): _fail('point_s', "is not a number >= 0")
 
 # %% ../nbs/00_files.ipynb #b8f6e4e0
 def unpack(o):

@@ -17,7 +17,7 @@ from .files import (write_checkpoint, read_checkpoint, CheckpointError, WriteCan
 # %% auto #0
 __all__ = ['Entry', 'MANIFEST', 'Store', 'LocalStore', 'StoreError', 'FsspecStore', 'is_url', 'as_store', 'locate', 'runlog_name',
            'read_text', 'write_text', 'read_runlog', 'runlog_identity', 'run_files', 'clean_run', 'run_story',
-           'point_at', 'RunLog', 'run_summary', 'identity_text', 'timeline']
+           'point_at', 'between_kills', 'RunLog', 'run_summary', 'identity_text', 'timeline']
 
 # %% ../nbs/00a_store.ipynb #33a68975
 Entry = namedtuple('Entry', 'name size modified complete')
@@ -595,6 +595,17 @@ def point_at(name:str, # the resume point's file name
     return dict(point=name, epoch=rec['epoch'], iter=rec['iter'], train_iter=rec['train_iter'],
                 time=(rec.get('meta') or {}).get('time') or 0.)
 
+# %% ../nbs/00a_store.ipynb #b7e1c2d5
+def between_kills(events:list)->tuple:
+    "The seconds the run's processes trained and how many of them were killed or ended by an error (`RunLog`'s events)"
+    secs,kills,since = 0.,0,None
+    for e in events:
+        if e['event'] in _TRAINING: since = e['time']; continue
+        end = e.get('reached', e.get('time'))  # a kill's time is where its reach mark got
+        if since is not None and end is not None: secs += max(0., end - since)
+        since,kills = None,kills + (e['event'] in ('killed', 'ended'))
+    return secs, kills
+
 # %% ../nbs/00a_store.ipynb #9900b601
 class RunLog:
     "The story of the run `fname` in `store`: a JSON line per event, and a reach mark"
@@ -602,6 +613,7 @@ class RunLog:
                  fname:str='autoresume', # the name `AutoResume` was given
                  on:bool=True): # write (rank 0) or not (the other ranks)
         self.store,self.fname,self.on,self.mark,self.torn,self.training = as_store(store),fname,on,None,False,False
+        self.past = (0., 0)  # what the story says before this process: `between_kills`
 
     def _url(self)->str: return f"{self.store.url}/{runlog_name(self.fname)}"
 
@@ -632,7 +644,8 @@ class RunLog:
         # a new story: the old reach mark is not its own
         reach = _read_reach(self.store, self.fname) if events else None
         prev = next((e for e in reversed(events) if e['event'] in _TRAINING), None)
-        if events and events[-1]['event'] in _TRAINING: self.add(**_killed(reach))
+        if events and events[-1]['event'] in _TRAINING: self.add(**(gone := _killed(reach))); events = events + [gone]
+        self.past = between_kills(events)
         start = at['train_iter'] if at else 0
         twice = _twice(reach, fit, start) if events else 0
         since = max(at['time'] if at else 0, prev['time'] if prev else 0)
