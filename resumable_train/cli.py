@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_cli.ipynb #b0837f78
 from __future__ import annotations
-import argparse, datetime, hashlib, json, os, re, signal, sys, time, warnings
+import argparse, datetime, hashlib, json, os, re, signal, subprocess, sys, time, warnings
 from pathlib import Path
 
 _INTERRUPTED = "resumable-train: interrupted (Ctrl-C)"
@@ -20,11 +20,13 @@ from . import __version__
 from .files import (read_checkpoint, resume_record, CheckpointError, position_text, history_log_info, unpack,
                                    checkpoint_number)
 from .store import (as_store, is_url, locate, LocalStore, StoreError, read_runlog, run_story, run_summary, timeline,
+                                   runlog_identity, identity_text,
                                    clean_run, run_files)
 from .check import check
 
 # %% auto #0
-__all__ = ['STOP_COLOR', 'RESUME_COLOR', 'plot_data', 'plot_run', 'digits_learner', 'weights_digest', 'checkpoint_info', 'main']
+__all__ = ['STOP_COLOR', 'RESUME_COLOR', 'plot_data', 'plot_run', 'digits_learner', 'weights_digest', 'checkpoint_info',
+           'torch_problem', 'main']
 
 # %% ../nbs/05_cli.ipynb #0fc788e9
 def _points(store, fname:str)->list:
@@ -56,8 +58,9 @@ def plot_data(where, # a folder, an fsspec URL or a store
     store = as_store(where)
     name,rec = _newest(store, fname)
     fit,rs = rec['fit_index'],rec['callbacks']['recorder']
-    events = [e for e in read_runlog(store, fname) if e.get('fit') == fit and 'train_iter' in e]
-    return dict(point=name, fit=fit, losses=_floats(rs['losses']), lrs=_floats(rs['lrs']), epochs=list(rs['iters']),
+    story = read_runlog(store, fname)
+    events = [e for e in story if e.get('fit') == fit and 'train_iter' in e]
+    return dict(point=name, fit=fit, run=runlog_identity(story), fname=fname, losses=_floats(rs['losses']), lrs=_floats(rs['lrs']), epochs=list(rs['iters']),
                 names=list(rec.get('metric_names') or [])[1:],
                 values=[[_value(v) for v in r[1:]] for r in rs['values']],
                 stops=[e['train_iter'] for e in events if e['event'] in ('killed', 'stopped')],
@@ -66,13 +69,21 @@ def plot_data(where, # a folder, an fsspec URL or a store
 # %% ../nbs/05_cli.ipynb #2850f58a
 STOP_COLOR,RESUME_COLOR = '#e00000','#d000d0'  # the lines of the interruptions and of the resumes
 
+def _tags(ax, xs:list, colour:str, top:bool, span:int):
+    "Number the interruptions at `xs` in order, at the top (stops) or the bottom (resumes), stacked where they'd touch"
+    for k,x in enumerate(xs):
+        n = sum(abs(x - y) < 0.02*span for y in xs[:k])  # those before it that the tag would cover
+        ax.annotate(str(k+1), xy=(x, 1 if top else 0), xycoords=ax.get_xaxis_transform(), ha='center', va='center',
+                    xytext=(0, (-1 if top else 1)*(9 + 15*n)), textcoords='offset points', fontsize=7, color='white',
+                    zorder=6, bbox=dict(boxstyle='circle,pad=0.25', fc=colour, ec='none'))
+
 def _draw(d:dict, # what `plot_data` gives
              title:str='', # above the plot
              figsize:tuple=(10, 5), # inches, at 100 dots per inch
             ): # a matplotlib `Figure`
     "Draw `d`: training loss per batch, validation values per epoch, learning rate; its interruptions and resumes"
     from matplotlib.figure import Figure  # not when the package or the command starts
-    fig = Figure(figsize=figsize, dpi=100)
+    fig = Figure(figsize=figsize, dpi=100, layout='constrained')
     ax = fig.subplots()
     ax.plot(range(1, len(d['losses'])+1), d['losses'], color='tab:blue', label='train_loss (smoothed)')
     for i,n in enumerate(d['names']):
@@ -80,30 +91,34 @@ def _draw(d:dict, # what `plot_data` gives
         if all(y != y for y in ys): continue  # never measured (no validation set)
         ax.plot(d['epochs'][:len(d['values'])], ys, 'o-', color=f'C{i+1}', label=n)
     # a stop and a resume at one batch (a signal's stop, then its rerun): the resume's wide solid line, the stop's
-    # dashes on it
+    # dashes on it; each numbered, so that two at one batch both show
     for i,x in enumerate(d['resumes']):
-        ax.axvline(x, color=RESUME_COLOR, lw=5, zorder=3, label='resumed' if i == 0 else None)
+        ax.axvline(x, color=RESUME_COLOR, lw=5, zorder=3, label='resumed (numbered at the bottom)' if i == 0 else None)
     for i,x in enumerate(d['stops']):
-        ax.axvline(x, color=STOP_COLOR, ls=(0, (4, 4)), lw=2, zorder=4, label=None if i else 'interrupted')
+        ax.axvline(x, color=STOP_COLOR, ls=(0, (4, 4)), lw=2, zorder=4,
+                   label=None if i else 'interrupted (numbered at the top)')
+    span = max([len(d['losses']), *d['stops'], *d['resumes'], 1])
+    _tags(ax, d['stops'], STOP_COLOR, True, span); _tags(ax, d['resumes'], RESUME_COLOR, False, span)
     ax.set_xlabel('batches trained'); ax.set_ylabel('loss, metrics')
     lr = ax.twinx()
-    lr.plot(range(1, len(d['lrs'])+1), d['lrs'], color='grey', lw=1)
+    lr.plot(range(1, len(d['lrs'])+1), d['lrs'], color='grey', lw=1, label='learning rate (right)')
     lr.set_ylabel('learning rate', color='grey')
-    ax.legend(loc='upper right')
+    hs = [h for a in (ax, lr) for h in a.get_legend_handles_labels()[0]]
+    fig.legend(handles=hs, loc='outside lower center', ncols=min(len(hs), 4), fontsize=8, frameon=False)  # covers nothing
     ax.set_title(title)
-    fig.tight_layout()
     return fig
 
 # %% ../nbs/05_cli.ipynb #3f1e0c9a
 def plot_run(where, # a folder, an fsspec URL or a store
              out=None, # a PNG file to write
              fname:str='autoresume', # the name `AutoResume` was given
-             title:str|None=None, # above the plot (by default the run's folder)
+             title:str|None=None, # above the plot (by default the run's name: its script and `fname`)
              figsize:tuple=(10, 5), # inches, at 100 dots per inch
             ): # a matplotlib `Figure`
     "Plot the run in `where` (see `_draw`), and write it to `out`"
     d = plot_data(where, fname)
-    fig = _draw(d, title if title is not None else f"{as_store(where).url} (fit call {d['fit']+1})", figsize)
+    name = f"{identity_text(d['run'])}, run '{d['fname']}'" if d['run'] else f"run '{d['fname']}'"
+    fig = _draw(d, title if title is not None else f"{name}: fit call {d['fit']+1}", figsize)
     if out is not None: fig.savefig(out)
     return fig
 
@@ -455,8 +470,20 @@ def _in_child(f, *args)->int:
     except KeyboardInterrupt: p.kill(); p.join(); raise
     return p.exitcode
 
+def torch_problem()->str|None:
+    "Why torch and torchvision do not load together in this Python, asked of a child process (`None`: they do)"
+    try: r = subprocess.run([sys.executable, '-c', 'import torch, torchvision; torch.ops.torchvision.nms'],
+                            capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired: return None  # slow, not broken
+    if r.returncode == 0: return None
+    why = (r.stderr.strip().splitlines() or [f'exit status {r.returncode}'])[-1]
+    return (f"torch and torchvision do not load together in {sys.prefix} ({why}); fastai needs both, from the same index: "
+            "see README.md, 'Fresh setup' (without a GPU: pip install torch torchvision --index-url "
+            "https://download.pytorch.org/whl/cpu, then pip install .)")
+
 def _demo(a)->int:
     "`demo`: killed by SIGKILL at a random batch, run again, compared with an uninterrupted run"
+    if why := torch_problem(): return _err(why)  # before anything trains: `fastai.vision` would fail later
     if a.no_kill: return _walkthrough(a)
     import random, shutil
     _quiet_imports()
