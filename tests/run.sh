@@ -8,6 +8,8 @@ export OMP_NUM_THREADS=1 PYTHONHASHSEED=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHON
 # machine, so that they are the same on one with AVX-512.
 [ "$(uname -m)" != x86_64 ] || export ATEN_CPU_CAPABILITY=avx2
 if [ "${1:-}" = --update-outputs ]; then python tests/notebooks.py --update; nbdev-clean; exit; fi
+# First, in seconds: torch and torchvision load together (pip's fallback to PyPI's torchvision beside a CPU torch fails every test)
+python -c 'import sys; from resumable_train.cli import torch_problem; p = torch_problem(); p and sys.exit(f"FAIL: {p}")'
 start=$(date +%s)
 logs=$(mktemp -d); trap 'rm -rf "$logs"' EXIT
 export TORCHINDUCTOR_CACHE_DIR="$logs/inductor"  # torch's compile cache, which it would leave in the system's temporary folder

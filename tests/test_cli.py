@@ -244,3 +244,19 @@ def test_closed_pipe_and_clean(runs, tmp_path):
     n = len(list(d.glob('autoresume*')))
     rc,out,err = run([CLI, 'clean', d], 60)
     assert rc == 0 and f'removed {n+1} files' in out and '.autoresume.lock' in out and not list(d.glob('*autoresume*')), (rc, out, err)
+
+BROKEN_TORCHVISION = "raise RuntimeError('operator torchvision::nms does not exist')  # a CUDA torchvision beside a CPU torch\n"
+
+def test_torch_and_torchvision_checked_first(tmp_path):
+    """With a torchvision that does not load beside this torch (pip's fallback to PyPI's torchvision next to a CPU torch), the demo and
+    the README's test command stop in seconds, pointing at the README's set-up, before training or running any test"""
+    (tmp_path/'torchvision').mkdir(); (tmp_path/'torchvision'/'__init__.py').write_text(BROKEN_TORCHVISION)
+    env = dict(PYTHONPATH=os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parent.parent), os.environ.get('PYTHONPATH', '')]))
+    t = time.monotonic()
+    rc,out,err = run([PY, '-m', 'resumable_train.cli', 'demo', '--dir', str(tmp_path/'demo'), '--epochs', '1'], timeout=120, env=env)
+    assert rc == 2 and 'torch and torchvision do not load together' in err and "operator torchvision::nms does not exist" in err, (rc, out, err)
+    assert "README.md, 'Fresh setup'" in err and not (tmp_path/'demo').exists() and 'Training' not in out, (out, err)
+    # the test command: the same check is its first step (bounded: were the check gone, this would be the whole suite)
+    rc,out,err = run(['bash', str(Path(__file__).parent/'run.sh')], timeout=120, env=env)
+    assert rc == 1 and 'FAIL: torch and torchvision do not load together' in out + err and '== pytest' not in out, (rc, out[-2000:], err[-2000:])
+    assert time.monotonic() - t < 110
