@@ -9,8 +9,8 @@ line called before in this process (`12.0`, `12.1` for `fine_tune`'s two calls o
 caches calls numbers the others as the uninterrupted run did:
 `FIT id n_epoch n_iter`, `BATCH id epoch iter`, `VALID id epoch iter`, `EVAL id` (a `validate`/`get_preds`), `END id` (before
 `AutoResume` writes the end of the call), `SAVED id` (after every callback's `after_fit`: the end state is written), `RAISE id epoch
-iter` (`Flaky`'s transient error). A rerun makes the call that raised as the uninterrupted run made it (`AutoResume` loads the
-Learner as the error left it and raises the error again, or the call meets `Flaky` at the same batch), so each call keeps its number.
+iter` (`Flaky`'s error). An error is a kill: a rerun continues the call that raised from its newest resume point, where a
+deterministic error comes back at the same batch and a transient one does not; each fit call the process makes keeps its number.
 With `RS_KILL` set in its environment the script SIGKILLs itself at one precise event (`kill_spec`), so a kill lands in its window
 every time, with no sleep and no race: a training batch (before `AutoResume` writes at that batch), a validation batch, the start of
 a fit call, just after a call's end state is written, or inside that write (the temporary file half written, or whole but not yet
