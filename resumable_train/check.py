@@ -182,7 +182,7 @@ def check(cmd:list, # the user's command for the training script (`python train.
     # artifacts); a short path in the system's, as a Unix socket's path in it (DataLoader workers') holds 107 bytes
     tmp = Path(tempfile.mkdtemp(prefix='rt-check-'))
     def go(name, what, **spec)->_Run:
-        say(f"check: {what} ({time.monotonic() - t0:.0f} s)")
+        say(f"check: {what} (elapsed: {time.monotonic() - t0:.0f} s)")
         folder,report = work/name,work/f'{len(runs)+1}-{name}.jsonl'  # the folder of a run resumed is the killed run's
         folder.mkdir(exist_ok=True)
         if runs and runs[-1].folder != folder and learner.exists(): learner.rename(runs[-1].folder/'learner')
@@ -246,6 +246,10 @@ def check(cmd:list, # the user's command for the training script (`python train.
                                     "that has no deterministic kernel", deterministic=True, **spec)
             if (m := re.search(r"RuntimeError: ([^\n]*does not have a deterministic implementation[^\n]*)", d.out)):
                 say(f"why: {m.group(1).split(', but you set')[0]} (torch.use_deterministic_algorithms(True) raised)")
+            elif d.rc == 0 or d.first('stop') is not None:
+                say("why: with torch.use_deterministic_algorithms(True) the script ran to the stop: every operation it ran has a "
+                    "deterministic kernel, so something draws without a seed (a Dataset, a transform or a callback with a "
+                    f"generator of its own); the first difference is where to look: {_first(again)}")
             say(f"fix: {_NOT_DETERMINISTIC}")
         else:
             say(f"why: the resume lost something: two uninterrupted runs are equal at batch {k}, the resumed one is "
@@ -254,7 +258,7 @@ def check(cmd:list, # the user's command for the training script (`python train.
                 if e['event'] == 'unkept': say(f"why: {e['text']}")
             say(f"fix: {_LOST}")
         keep = True
-        say(f"({time.monotonic() - t0:.0f} s; the runs' folders are in {work})")
+        say(f"(elapsed: {time.monotonic() - t0:.0f} s; the runs' folders are in {work})")
         return 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

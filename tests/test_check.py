@@ -83,6 +83,10 @@ def test_defect_named(forker, tmp_path, defect, why):
         assert 'fix: ' in out, out
         assert len(kept) == 1 and out.splitlines()[-1].endswith(f"the runs' folders are in {kept[0]})"), (out, kept)
     if defect in ('counter', 'dict_counter'): assert 'the resume lost something' in out, out
+    if defect == 'random':  # the deterministic-algorithms run found nothing to name: said, with where the runs first differ
+        assert re.search(r'^why: with torch\.use_deterministic_algorithms\(True\) the script ran to the stop: every operation it ran '
+                         r'has a deterministic kernel, .*the first difference is where to look: \S', out, re.M), out
+    assert not re.search(r'\(\d+ s\)', out) and '(elapsed: ' in out, out  # times are labelled as elapsed
 
 def test_without_autoresume(forker, tmp_path):
     "A script without AutoResume: said in one line"
