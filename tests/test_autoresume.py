@@ -208,6 +208,17 @@ def test_cached_stage_whose_branch_sets_lr(tmp_path, per_call):
     assert any(l.startswith('AutoResume: continuing') for l in lines) and len(batches(lines)) < 12, ''.join(lines)[-2000:]
     same(ref, out)
 
+def test_stage_puts_back_defaults_named(tmp_path):
+    """Issue 60: the Learner's lr edited after a kill, in a script whose cached stage is loaded on the rerun: the stage puts back the
+    lr it was saved with, as the run that saved it went on, and says so, naming both values: never undone in silence"""
+    d,out = tmp_path/'run',tmp_path/'out.pth'
+    rc,_ = run_until(d, out, lambda l: l.startswith('BATCH') and l.split()[1:4] == ['1', '0', '3'], signal.SIGKILL, '--sched', 'stage',
+                     '--sleep', '0.05')
+    assert rc == -signal.SIGKILL
+    t = ''.join(run_to_end(d, out, '--sched', 'stage', '--lr', '5e-3'))
+    assert ("stage1.pth is a stage of this run, saved with other Learner defaults than the script sets now (lr: the script's 0.005, "
+            "the stage's 0.03;") in t and 'AutoResume: continuing' in t, t[-3000:]
+
 def test_stage_without_autoresume_loads_as_fastai(stock, tmp_path):
     """The same script run again without `AutoResume` (the package imported) in the folder of a run that had it in the Learner: its
     `learn.load` of the run's cached stage loads as fastai's (weights and optimizer), not the run's random state and lr: stock's bits"""
