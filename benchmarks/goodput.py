@@ -101,7 +101,8 @@ def moments(sig, mean, seed, horizon)->list:
 
 def job(mode, at:list, sig, cap, d, say, core:int)->dict:
     "Run contender `mode` in folder `d` on CPU `core` to its end, preempting it at the moments `at`; what it cost"
-    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(HERE.parent))
+    # its temporary files in its folder: a killed process's DataLoader workers leave theirs (`pymp-*`)
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(HERE.parent), TMPDIR=str(d))
     t0,at,written,preempted,procs = time.time(),list(at),0,0,0
     while True:
         env['GOODPUT_T0'] = repr(time.time())
