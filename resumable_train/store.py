@@ -17,7 +17,7 @@ from .files import (write_checkpoint, read_checkpoint, CheckpointError, WriteCan
 # %% auto #0
 __all__ = ['Entry', 'MANIFEST', 'Store', 'LocalStore', 'StoreError', 'FsspecStore', 'is_url', 'as_store', 'locate', 'runlog_name',
            'read_text', 'write_text', 'read_runlog', 'runlog_identity', 'run_files', 'clean_run', 'run_story',
-           'point_at', 'between_kills', 'RunLog', 'run_summary', 'identity_text', 'timeline']
+           'point_at', 'RunLog', 'run_summary', 'identity_text', 'timeline']
 
 # %% ../nbs/00a_store.ipynb #33a68975
 Entry = namedtuple('Entry', 'name size modified complete')
