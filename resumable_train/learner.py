@@ -19,7 +19,7 @@ from .hooks import short_refusals, FitEvents, fastai_code, fit_call, is_a, when_
 from .collectives import read_on_rank0, world_size
 from .point import ResumePoint, restore_rest, make_point
 from .skip import SkipToIter
-from .fitcalls import run_setup, run_identity, run_at, user_stacklevel
+from .fitcalls import run_setup, run_identity, run_at
 
 # %% auto #0
 __all__ = []
@@ -101,15 +101,6 @@ def _run_of(learn, mark:dict|None=None):
     # fastai
     where = mark.get('where') if isinstance(mark, dict) and mark.get('per_call') else None
     return run_at(where) if isinstance(where, str) else None
-
-def _say_defaults(learn, rest:dict, file):
-    "Name the Learner defaults that loading the stage `file` puts back over other values the script sets now"
-    saved = {k: tuple(v) if isinstance(v, list) else v for k,v in rest.get('defaults', {}).items()}
-    ch = [f"{k}: the script's {now!r}, the stage's {v!r}" for k,v in saved.items() if (now := getattr(learn, k, None)) != v]
-    if ch: warnings.warn(f"{file} is a stage of this run, saved with other Learner defaults than the script sets now "
-                         f"({'; '.join(ch)}; set in the code this rerun skips, or edited): the stage's are put back, as "
-                         "the run that saved it went on; to train with the script's, start the run afresh",
-                         stacklevel=user_stacklevel())
 
 def _continues(learn, rest:dict)->bool:
     ("Does loading a stage with the rest point `rest` continue the run `learn` is part of here: that run's files, "
@@ -222,8 +213,7 @@ def load(self:Learner, file, # name in `learn.path/learn.model_dir`, a path, or 
                                      fresh=tuple(fresh_callbacks)) if point else None
         self.resume.pending = plan_resume(self, rp, elastic)
         if stage:
-            _say_defaults(self, rest, file)  # an edit (`Learner(wd=...)` after a kill) is named, never undone in silence
-            restore_rest(self, rest)  # a stage of this run, saved between two fit calls, goes on as it went on then
+            restore_rest(self, rest, file)  # a stage of this run, saved between two fit calls, goes on as it went then
             self.resume.rested = True
     return self
 Learner.load._fastai = _stock_load

@@ -4,7 +4,7 @@
 
 # %% ../nbs/02c_point.ipynb #e0a38628
 from __future__ import annotations
-import dataclasses, time
+import dataclasses, time, warnings
 from functools import partial
 import torch, fastai
 from fastai.torch_core import get_model, rank_distrib
@@ -13,6 +13,7 @@ from .files import adopt_history, log_ref, start_history, append_history
 from .state import *
 from .state import logged_histories
 from .fitcalls import run_setup, fit_plan_once, check_setup, fit_plan, check_plan, asked_hypers
+from .fitcalls import user_stacklevel
 from .hooks import DEFAULT_HYPERS, autoresume_in
 from .workers import keepable
 from .loaders import check_callbacks, check_resumable, train_loader
@@ -241,7 +242,8 @@ def rest_point(learn)->dict:
                 run=learn.resume.stage_mark(autoresume_in(learn) is None))
 
 
-def restore_rest(learn, rest:dict):
+def restore_rest(learn, rest:dict,
+                 file=None): # the stage's file, in the warning that names the Learner defaults it puts back
     "Put back a `rest_point`: a stage loaded from a cache goes on as the run that saved it went on"
     # its draws happened before the rest point was saved: they must not shift the restored streams
     _make_lazy_state(learn)
@@ -252,8 +254,17 @@ def restore_rest(learn, rest:dict):
     if 'trainable' in rest:  # what `freeze`/`unfreeze` left (the rest points of 0.2 keep none)
         for p,g in zip(learn.model.parameters(), rest['trainable']): p.requires_grad_(g)
         if rest['frozen_idx'] is not None: learn.opt.frozen_idx = rest['frozen_idx']
-    # `learn.lr = ...`
-    for k,v in rest.get('defaults', {}).items(): setattr(learn, k, tuple(v) if isinstance(v, list) else v)
+    # `learn.lr = ...`, put back; those the script sets otherwise now (set in the code a rerun skips, or edited after a
+    # kill) named: never undone in silence
+    saved = {k: tuple(v) if isinstance(v, list) else v for k,v in rest.get('defaults', {}).items()}
+    ch = [f"{k}: the script's {now!r}, the stage's {v!r}" for k,v in saved.items()
+          if (now := getattr(learn, k, None)) != v]
+    if ch:
+        warnings.warn(f"{file} is a stage of this run, saved with other Learner defaults than the script sets now "
+                      f"({'; '.join(ch)}; set in the code this rerun skips, or edited): the stage's are put back, as "
+                      "the run that saved it went on; to train with the script's, start the run afresh",
+                      stacklevel=user_stacklevel())
+    for k,v in saved.items(): setattr(learn, k, v)
     ranks,r = rest.get('ranks') or [],rank_distrib()  # under a trainer, this rank's own
     set_rng_state(ranks[r] if r < len(ranks) and ranks[r] is not None else rest['rng'])
 
