@@ -572,8 +572,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                    'resumable_train/learner.py'),
                                          'resumable_train.learner._put_opt': ('learner.html#_put_opt', 'resumable_train/learner.py'),
                                          'resumable_train.learner._run_of': ('learner.html#_run_of', 'resumable_train/learner.py'),
-                                         'resumable_train.learner._say_defaults': ( 'learner.html#_say_defaults',
-                                                                                    'resumable_train/learner.py'),
                                          'resumable_train.learner._stock_load_opt': ( 'learner.html#_stock_load_opt',
                                                                                       'resumable_train/learner.py'),
                                          'resumable_train.learner._to_device': ('learner.html#_to_device', 'resumable_train/learner.py'),

@@ -157,18 +157,23 @@ def _worker_streams(learn):
     learn.add_cb(ws := WorkerStreams())
     return ws
 
-def _inside_ok(dl)->bool:
-    "Can `dl` be continued inside an epoch? `AutoResume`'s own interval writes points there only then"
-    try: keep_buffers(dl); loader_kind(dl)
-    except TypeError: return False
-    return True
+def _check_inside(dl, cadence:Cadence):
+    ("Keep `dl`'s buffers in its state and refuse, before the first batch, a loader no run could continue inside an "
+     "epoch, where points are asked there; where `cadence` chose its own, it writes them at epoch ends only instead")
+    try:
+        keep_buffers(dl, inside=cadence.inside)
+        if cadence.inside: loader_kind(dl)
+    except TypeError:
+        if not cadence.auto: raise
+        cadence.auto = False
+        keep_buffers(dl, inside=False)
 
 class AutoResume(LeanCallback):
     "Write atomic, durable resume points while training; continue from the newest valid one when the script runs again"
     order = 95  # after every callback whose state it saves: `Recorder` (50), schedulers (60), trackers (61-63)
     def __init__(self, fname:str='autoresume', # files are `{fname}-0001.pth`, ... in `dir`
                  every_iter:int|None=None, # write a resume point every `every_iter` training batches
-                 every_secs:float|None=None, # ... once `every_secs` seconds have passed since the last (neither: `Cadence`)
+                 every_secs:float|None=None, # ... every `every_secs` seconds (neither: the interval `Cadence` chooses)
                  keep:int=2, # how many resume points to keep on disk (besides the end state of each completed fit call)
                  background:bool=False, # write from a background thread
                  signals=SIGNALS, # signals that save a resume point and stop
@@ -249,11 +254,8 @@ class AutoResume(LeanCallback):
             check_resumable(self.dls.train)
             check_callbacks(self.learn)
             if self.replay: allow_replay(self.dls.train)
-            self.cadence = Cadence(self.every_iter, self.every_secs)  # by itself: inside an epoch where one can be continued
-            if self.cadence.auto: self.cadence.auto = _inside_ok(self.dls.train)
-            keep_buffers(self.dls.train, inside=self.cadence.inside)  # its content in its state
-            # refuse, before the first batch, a loader that no run could continue inside an epoch
-            if self.cadence.inside: loader_kind(self.dls.train)
+            self.cadence = Cadence(self.every_iter, self.every_secs)
+            _check_inside(self.dls.train, self.cadence)
             other = self._run_name(share=self.group)[1]
             self.run_state = self.learn.resume.run = self.current_run()  # a stage saved after this call belongs to it
             if other is not None and not self.run_state.fits: self._say_own(other)
