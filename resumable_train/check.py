@@ -247,9 +247,9 @@ def check(cmd:list, # the user's command for the training script (`python train.
             if (m := re.search(r"RuntimeError: ([^\n]*does not have a deterministic implementation[^\n]*)", d.out)):
                 say(f"why: {m.group(1).split(', but you set')[0]} (torch.use_deterministic_algorithms(True) raised)")
             elif d.rc == 0 or d.first('stop') is not None:
-                say("why: with torch.use_deterministic_algorithms(True) the script ran to the stop: every operation it ran has a "
-                    "deterministic kernel, so something draws without a seed (a Dataset, a transform or a callback with a "
-                    f"generator of its own); the first difference is where to look: {_first(again)}")
+                say("why: with torch.use_deterministic_algorithms(True) the script ran to the stop: every operation it "
+                    "ran has a deterministic kernel, so something draws without a seed (a Dataset, a transform or a "
+                    f"callback with a generator of its own); the first difference is where to look: {_first(again)}")
             say(f"fix: {_NOT_DETERMINISTIC}")
         else:
             say(f"why: the resume lost something: two uninterrupted runs are equal at batch {k}, the resumed one is "

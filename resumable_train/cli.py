@@ -60,7 +60,8 @@ def plot_data(where, # a folder, an fsspec URL or a store
     fit,rs = rec['fit_index'],rec['callbacks']['recorder']
     story = read_runlog(store, fname)
     events = [e for e in story if e.get('fit') == fit and 'train_iter' in e]
-    return dict(point=name, fit=fit, run=runlog_identity(story), fname=fname, losses=_floats(rs['losses']), lrs=_floats(rs['lrs']), epochs=list(rs['iters']),
+    return dict(point=name, fit=fit, run=runlog_identity(story), fname=fname, losses=_floats(rs['losses']),
+                lrs=_floats(rs['lrs']), epochs=list(rs['iters']),
                 names=list(rec.get('metric_names') or [])[1:],
                 values=[[_value(v) for v in r[1:]] for r in rs['values']],
                 stops=[e['train_iter'] for e in events if e['event'] in ('killed', 'stopped')],
@@ -104,7 +105,8 @@ def _draw(d:dict, # what `plot_data` gives
     lr.plot(range(1, len(d['lrs'])+1), d['lrs'], color='grey', lw=1, label='learning rate (right)')
     lr.set_ylabel('learning rate', color='grey')
     hs = [h for a in (ax, lr) for h in a.get_legend_handles_labels()[0]]
-    fig.legend(handles=hs, loc='outside lower center', ncols=min(len(hs), 4), fontsize=8, frameon=False)  # covers nothing
+    # below the axes, where it covers nothing
+    fig.legend(handles=hs, loc='outside lower center', ncols=min(len(hs), 4), fontsize=8, frameon=False)
     ax.set_title(title)
     return fig
 
@@ -477,8 +479,8 @@ def torch_problem()->str|None:
     except subprocess.TimeoutExpired: return None  # slow, not broken
     if r.returncode == 0: return None
     why = (r.stderr.strip().splitlines() or [f'exit status {r.returncode}'])[-1]
-    return (f"torch and torchvision do not load together in {sys.prefix} ({why}); fastai needs both, from the same index: "
-            "see README.md, 'Fresh setup' (without a GPU: pip install torch torchvision --index-url "
+    return (f"torch and torchvision do not load together in {sys.prefix} ({why}); fastai needs both, from the same "
+            "index: see README.md, 'Fresh setup' (without a GPU: pip install torch torchvision --index-url "
             "https://download.pytorch.org/whl/cpu, then pip install .)")
 
 def _demo(a)->int:
