@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_cli.ipynb #b0837f78
 from __future__ import annotations
-import argparse, datetime, hashlib, json, os, re, signal, subprocess, sys, time, warnings
+import argparse, datetime, hashlib, json, os, re, signal, subprocess, sys, tempfile, time, warnings
 from pathlib import Path
 
 _INTERRUPTED = "resumable-train: interrupted (Ctrl-C)"
@@ -474,9 +474,13 @@ def _in_child(f, *args)->int:
 
 def torch_problem()->str|None:
     "Why torch and torchvision do not load together in this Python, asked of a child process (`None`: they do)"
-    try: r = subprocess.run([sys.executable, '-c', 'import torch, torchvision; torch.ops.torchvision.nms'],
-                            capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired: return None  # slow, not broken
+    # importing torchvision makes torch's compile cache folder (`torchinductor_USER` in the system's temporary folder):
+    # in one of ours, removed
+    with tempfile.TemporaryDirectory(prefix='resumable-train-') as tmp:
+        try: r = subprocess.run([sys.executable, '-c', 'import torch, torchvision; torch.ops.torchvision.nms'],
+                                capture_output=True, text=True, timeout=300,
+                                env={**os.environ, 'TORCHINDUCTOR_CACHE_DIR': tmp})
+        except subprocess.TimeoutExpired: return None  # slow, not broken
     if r.returncode == 0: return None
     why = (r.stderr.strip().splitlines() or [f'exit status {r.returncode}'])[-1]
     return (f"torch and torchvision do not load together in {sys.prefix} ({why}); fastai needs both, from the same "

@@ -260,3 +260,11 @@ def test_torch_and_torchvision_checked_first(tmp_path):
     rc,out,err = run(['bash', str(Path(__file__).parent/'run.sh')], timeout=120, env=env)
     assert rc == 1 and 'FAIL: torch and torchvision do not load together' in out + err and '== pytest' not in out, (rc, out[-2000:], err[-2000:])
     assert time.monotonic() - t < 110
+
+def test_torch_check_leaves_nothing(tmp_path):
+    "The check that torch and torchvision load together leaves no file in the system's temporary folder (torchvision's import makes torch's compile cache)"
+    (tmp_path/'tmp').mkdir()  # torch's cache goes to the temporary folder where the suite's own setting (run.sh) is unset
+    rc,out,err = run(['env', '-u', 'TORCHINDUCTOR_CACHE_DIR', PY, '-c', 'from resumable_train.cli import torch_problem; print(torch_problem())'],
+                     timeout=120, env=dict(TMPDIR=str(tmp_path/'tmp')))
+    assert rc == 0 and out.strip() == 'None', (rc, out, err)
+    assert not list((tmp_path/'tmp').iterdir()), list((tmp_path/'tmp').iterdir())
